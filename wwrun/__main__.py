@@ -1,0 +1,3 @@
+from wwrun.cli import main
+
+raise SystemExit(main())

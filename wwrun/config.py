@@ -1,0 +1,248 @@
+"""What to run: the config types shared by the CLI, recipes and the library API.
+
+`JobSpec` is the blueprint of one job (a script or module with its arguments, as
+`python` would run it); `LaunchConfig` holds the jobs and the launcher's options.
+Both validate themselves on construction and raise `ConfigError`, which names the
+field at fault; the CLI turns it into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("waterwave", "concurrent", "sequential")
+QUEUES = ("fifo", "las")
+
+# Job names become folder names under the log directory.
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,-]*$")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z%]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """Bad input from the user: a flag, a recipe key, a path.
+
+    `where` names what is at fault ("jobs[1].sweep.grid", "--memory-limit"); the
+    message reads `<where>: <what is wrong>`.
+    """
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        self.reason = message
+        super().__init__(f"{where}: {message}" if where else message)
+
+    def within(self, outer: str) -> ConfigError:
+        """The same error, its location prefixed with `outer` (a file, a parent key)."""
+        if not outer:
+            return self
+        joiner = "" if self.where.startswith("[") else "."
+        where = f"{outer}{joiner}{self.where}" if self.where else outer
+        return ConfigError(where, self.reason)
+
+
+def closest(word: str, choices) -> str:
+    """' (did you mean 'x'?)' for a typo of one of `choices`, else ''."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def parse_size(text: str | int | float) -> int | float:
+    """A memory size: '2GiB' -> 2147483648 bytes, '512MB' -> 512000000 bytes,
+    '80%' -> 0.8 (a fraction of the device's memory), 1024 -> 1024 bytes.
+
+    Returns an int for bytes and a float in (0, 1] for a fraction.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a memory size: {text!r}")
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"memory size must be positive, got {text}")
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try '2GiB', '512MB' or '80%')")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ValueError(f"a percentage must be in (0, 100], got {text!r}")
+        return number / 100
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}{closest(unit, _UNITS)}")
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return size
+
+
+def resolve_size(limit: int | float | None, capacity: int | None) -> int | None:
+    """Bytes for a `parse_size` result, fractions taken of `capacity` bytes."""
+    if limit is None or isinstance(limit, int):
+        return limit
+    if capacity is None:
+        raise ConfigError("memory_limit", "a percentage needs a device whose capacity is known")
+    return int(limit * capacity)
+
+
+def format_size(nbytes: int | float | None) -> str:
+    """1536 -> '1.5KiB'; fractions as percentages; None -> '-'."""
+    if nbytes is None:
+        return "-"
+    if isinstance(nbytes, float) and nbytes <= 1:
+        return f"{nbytes * 100:g}%"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TiB"
+
+
+def new_run_id() -> str:
+    """Sortable and unique: 20261121-052811-3fa2."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """One job: a script or a module, run as `python script.py args` would run it."""
+
+    name: str
+    """Unique within a run; names the job's log folder and prefixes its output."""
+    script: str | None = None
+    """Path of the training script (absolute once resolved). Exclusive with `module`."""
+    module: str | None = None
+    """Module run as `python -m module`. Exclusive with `script`."""
+    args: list[str] = field(default_factory=list)
+    """The script's command-line arguments (its `sys.argv[1:]`)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for this job only, over the launcher's."""
+    cwd: str | None = None
+    """The job's working directory; None means the launcher's."""
+    priority: int = 0
+    """Higher starts first when not every job can run at once."""
+    memory_limit: int | float | None = None
+    """Bytes (int) or a fraction of the device (float); beyond it only this job fails."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME_OK.match(self.name):
+            raise ConfigError(
+                "name", f"{self.name!r} is not a valid job name (letters, digits and ._=+,- only)"
+            )
+        if (self.script is None) == (self.module is None):
+            raise ConfigError("script", "give exactly one of 'script' and 'module'")
+        if not all(isinstance(a, str) for a in self.args):
+            raise ConfigError("args", "every argument must be a string")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ConfigError("env", "names and values must be strings")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ConfigError("priority", f"must be an integer, got {self.priority!r}")
+        if isinstance(self.memory_limit, str):
+            try:
+                self.memory_limit = parse_size(self.memory_limit)
+            except ValueError as err:
+                raise ConfigError("memory_limit", str(err)) from None
+
+    @property
+    def argv(self) -> list[str]:
+        """`sys.argv` as the job sees it: python sets argv[0] to the script's path,
+        or to the module's file for `-m` (filled in at start)."""
+        return [self.script if self.script is not None else "-m", *self.args]
+
+    @property
+    def command(self) -> str:
+        """The equivalent shell command, for display."""
+        import shlex
+
+        target = ["-m", self.module] if self.module else [self.script]
+        return shlex.join(["python", *target, *self.args])
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """A run: the jobs and how to run them. Field names match the CLI's flags."""
+
+    jobs: list[JobSpec]
+    """The jobs, in the order given."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu or cuda."""
+    memory_limit: int | float | None = None
+    """Device memory the run may use: bytes (int) or a fraction (float) of the device."""
+    policy: str | None = None
+    """waterwave, concurrent (plain threads) or sequential; None: waterwave for
+    several jobs, concurrent for one."""
+    max_concurrent: int | None = None
+    """At most this many jobs run at once; the rest wait in the queue."""
+    queue: str = "fifo"
+    """Order of waiting jobs: fifo, or las (least attained service first)."""
+    nodegroups: int | None = None
+    """NodeGroups per model (waterwave policy); None chooses automatically."""
+    log_dir: str = "wwrun_logs"
+    """Logs go to <log_dir>/<run_id>/<job>/{stdout.log,stderr.log,error.json}."""
+    tee: bool = False
+    """Echo every line of every job to the terminal, prefixed with [name]."""
+    report: str | None = None
+    """Write the run's JSON report to this file."""
+    events: str | None = None
+    """Write one JSON line per job state change to this file ('-' for stdout)."""
+    quiet: bool = False
+    """No live table and no job output on the terminal; the summary only."""
+    run_id: str = field(default_factory=new_run_id)
+    """Names the run's log folder."""
+    grace_period_s: float = 10.0
+    """After the first Ctrl-C/SIGTERM, how long jobs have to stop."""
+    source: str | None = None
+    """The recipe this config was read from, if any."""
+
+    def __post_init__(self):
+        if not self.jobs:
+            raise ConfigError("jobs", "no job to run")
+        seen: set[str] = set()
+        for i, job in enumerate(self.jobs):
+            if not isinstance(job, JobSpec):
+                raise ConfigError(f"jobs[{i}]", f"expected a JobSpec, got {type(job).__name__}")
+            if job.name in seen:
+                raise ConfigError(f"jobs[{i}].name", f"duplicate job name {job.name!r}")
+            seen.add(job.name)
+        _choice("device", self.device, DEVICES)
+        if self.policy is not None:
+            _choice("policy", self.policy, POLICIES)
+        _choice("queue", self.queue, QUEUES)
+        if isinstance(self.memory_limit, str):
+            try:
+                self.memory_limit = parse_size(self.memory_limit)
+            except ValueError as err:
+                raise ConfigError("memory_limit", str(err)) from None
+        for name in ("max_concurrent", "nodegroups"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if self.grace_period_s < 0:
+            raise ConfigError("grace_period_s", "must not be negative")
+
+    @property
+    def resolved_policy(self) -> str:
+        if self.policy is not None:
+            return self.policy
+        return "waterwave" if len(self.jobs) > 1 else "concurrent"
+
+    def replace(self, **changes) -> LaunchConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(
+            name, f"{value!r} is not one of {', '.join(choices)}{closest(str(value), choices)}"
+        )
