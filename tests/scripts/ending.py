@@ -1,0 +1,30 @@
+"""Ends in the way its first argument says, after an optional delay."""
+import atexit
+import os
+import signal
+import sys
+import time
+
+how = sys.argv[1]
+time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
+atexit.register(print, "atexit ran")
+signal.signal(signal.SIGTERM, lambda *_: None)  # would raise ValueError in a plain thread
+print("before", how, flush=True)
+if how == "exit3":
+    sys.exit(3)
+elif how == "exit_builtin":
+    exit(4)
+elif how == "exit_text":
+    sys.exit("fatal: bad thing")
+elif how == "raise":
+    raise RuntimeError("boom in job")
+elif how == "os_exit":
+    os._exit(5)
+elif how == "loop":
+    try:
+        while True:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        print("got KeyboardInterrupt", flush=True)
+        raise
+print("after", how)

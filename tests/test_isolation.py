@@ -1,0 +1,174 @@
+"""Each job behaves as if started alone with `python script.py`, while others run.
+
+The scripts under tests/scripts/ are real, unmodified programs; several run
+concurrently in each test through the library API.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wwrun import JobSpec, LaunchConfig
+from wwrun.launcher import JobState, launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def run(tmp_path, *jobs, **options):
+    config = LaunchConfig(jobs=list(jobs), log_dir=str(tmp_path / "logs"), quiet=True, **options)
+    return launch(config)
+
+
+def log(result, name: str, stream: str = "stdout") -> str:
+    return (Path(result.log_dir) / name / f"{stream}.log").read_text()
+
+
+def job(name, script, *args, **fields):
+    return JobSpec(name=name, script=str(SCRIPTS / script), args=[str(a) for a in args], **fields)
+
+
+def test_same_sibling_module_name_stays_apart(tmp_path):
+    result = run(
+        tmp_path,
+        job("a", "sibling_a/train.py", tmp_path / "a.pt"),
+        job("b", "sibling_b/train.py", tmp_path / "b.pt"),
+    )
+    assert result.exit_code == 0, result.to_dict()
+    # Each job got its own `model`, and pickling of its class round-tripped.
+    assert "who=a in_features=3 module=model" in log(result, "a")
+    assert "who=b in_features=5 module=model" in log(result, "b")
+
+
+def test_script_without_main_guard_reads_its_own_argv_and_env(tmp_path):
+    result = run(
+        tmp_path,
+        job("x", "no_guard.py", "--lr", "0.1", env={"EXTRA": "yes"}),
+        job("y", "no_guard.py", "--lr", "0.2"),
+    )
+    assert result.exit_code == 0
+    x, y = log(result, "x"), log(result, "y")
+    assert "job=x argv=['--lr', '0.1'] argv0=no_guard.py joined=--lr 0.1" in x
+    assert "job=y argv=['--lr', '0.2'] argv0=no_guard.py joined=--lr 0.2" in y
+    # __main__ as with python; RANK is not invented; the recipe env reaches one job only.
+    assert "main=__main__ rank=None extra=yes" in x
+    assert "extra=None" in y
+
+
+def test_working_directory_is_per_job_including_cpp_writes(tmp_path):
+    import shutil
+
+    folders = []
+    for name in ("r1", "r2"):
+        folder = tmp_path / name
+        shutil.copytree(SCRIPTS / "relative", folder)
+        folders.append(folder)
+    result = run(
+        tmp_path,
+        JobSpec(name="r1", script=str(folders[0] / "train.py"), cwd=str(folders[0])),
+        JobSpec(name="r2", script=str(folders[1] / "train.py"), cwd=str(folders[1])),
+    )
+    assert result.exit_code == 0, log(result, "r1", "stderr")
+    for folder in folders:
+        assert (folder / "ckpt.pt").is_file()  # written by torch.save's C++ code
+        assert (folder / "out" / "done.txt").read_text() == str(folder)
+    assert f"cwd {folders[0]} hidden 7" in log(result, "r1")
+    assert Path.cwd() not in folders  # the launcher itself did not move
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_carry_the_job(tmp_path, context):
+    result = run(
+        tmp_path,
+        job("dl1", "dataloader.py", "--context", context),
+        job("dl2", "dataloader.py", "--context", context, cwd=str(tmp_path)),
+    )
+    assert result.exit_code == 0, log(result, "dl1", "stderr")
+    expected = sum(i * i for i in range(16))
+    for name, cwd in (("dl1", Path.cwd()), ("dl2", tmp_path)):
+        out = log(result, name)
+        assert f"total={expected}" in out
+        # Worker processes write into their job's log, with its environment and folder.
+        assert f"worker 0 job={name} cwd={cwd}" in out
+        assert f"worker 1 job={name} cwd={cwd}" in out
+
+
+def test_threads_logging_and_child_processes_carry_the_job(tmp_path):
+    # Through the real CLI: in-process, pytest's own root-logger handlers would make
+    # the script's logging.basicConfig a no-op.
+    recipe = tmp_path / "children.yaml"
+    script = SCRIPTS / "children.py"
+    recipe.write_text(
+        f"jobs:\n  - {{name: c1, script: {script}}}\n  - {{name: c2, script: {script}, cwd: {tmp_path}}}\n"
+    )
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), "--report", str(report), str(recipe)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    logs = Path(json.loads(report.read_text())["run"]["log_dir"])
+    for name, cwd in (("c1", Path.cwd()), ("c2", tmp_path)):
+        out = (logs / name / "stdout.log").read_bytes().decode()  # bytes: keep the '\r'
+        err = (logs / name / "stderr.log").read_text()
+        assert f"thread job={name} cwd={cwd}" in out
+        assert f"INFO logged from {name}" in err
+        assert f"child {name} {cwd}" in out  # the job's own os.environ change reached it
+        assert "progress 1/2\rprogress 2/2" in out
+
+
+@pytest.mark.parametrize(
+    "how, code, state",
+    [
+        ("exit3", 3, JobState.FAILED),
+        ("exit_builtin", 4, JobState.FAILED),
+        ("exit_text", 1, JobState.FAILED),
+        ("raise", 1, JobState.FAILED),
+        ("os_exit", 5, JobState.FAILED),
+        ("ok", 0, JobState.SUCCEEDED),
+    ],
+)
+def test_each_way_of_ending_ends_that_job_only(tmp_path, how, code, state):
+    result = run(tmp_path, job("end", "ending.py", how), job("other", "ending.py", "ok", 0.3))
+    ending, other = result.jobs
+    assert (ending.state, ending.exit_code) == (state, code)
+    assert (other.state, other.exit_code) == (JobState.SUCCEEDED, 0)
+    assert "after ok" in log(result, "other")
+    assert result.exit_code == code
+    assert result.root_cause == (None if code == 0 else "end")
+    assert "atexit ran" in log(result, "other")
+    if how != "os_exit":  # os._exit skips atexit handlers, as in Python
+        assert "atexit ran" in log(result, "end")
+
+
+def test_uncaught_exception_keeps_its_traceback(tmp_path):
+    result = run(tmp_path, job("bad", "ending.py", "raise"), job("good", "ending.py", "ok"))
+    error = json.loads((Path(result.log_dir) / "bad" / "error.json").read_text())
+    assert error["exit_code"] == 1
+    assert error["error"] == "RuntimeError: boom in job"
+    assert 'ending.py", line' in error["traceback"]
+    assert "wwrun" not in error["traceback"].split("ending.py")[0]  # no launcher frames
+    assert "RuntimeError: boom in job" in log(result, "bad", "stderr")
+    assert not (Path(result.log_dir) / "good" / "error.json").exists()
+
+
+def test_module_job_runs_like_python_dash_m(tmp_path):
+    spec = JobSpec(name="mod", module="mypkg", args=["--flag"], cwd=str(SCRIPTS / "pkgjob"))
+    result = run(tmp_path, spec, job("other", "ending.py", "ok"))
+    assert result.exit_code == 0, log(result, "mod", "stderr")
+    assert "module main=__main__ package=mypkg value=42 argv=['--flag']" in log(result, "mod")
+
+
+def test_launcher_state_is_untouched_by_jobs(tmp_path):
+    import os
+
+    argv, cwd, env = list(sys.argv), os.getcwd(), dict(os.environ)
+    run(tmp_path, job("x", "no_guard.py", "--a"), job("c", "children.py", cwd=str(tmp_path)))
+    assert list(sys.argv) == argv
+    assert os.getcwd() == cwd
+    assert "SET_BY_JOB" not in os.environ and dict(os.environ) == env
+    assert sys.modules["__main__"].__name__ == "__main__"

@@ -1,0 +1,633 @@
+"""Per-job views of process-wide state, so that scripts run as threads of one process
+each behave as if started alone with `python script.py`.
+
+Python keeps much of what a script sees in process-wide places: `sys.modules['__main__']`,
+`sys.argv`, `os.environ`, `sys.stdin/stdout/stderr`, `atexit`, signal handlers, the
+working directory. `install()` replaces each with a thread-dispatching view: a thread
+that belongs to a job (its main thread, and every thread or forked process it starts)
+sees that job's `JobContext`; any other thread sees the original objects, unchanged.
+
+    state              job's view                         how
+    -----------------  ---------------------------------  ------------------------------------
+    __main__           the job's own module object        `_MainModule` proxy in sys.modules
+    sibling modules    private copies (`from model ...`)  `_JobLocalFinder` + `_SharedName` proxies
+    sys.argv           the job's argv                     `_ThreadArgv` (a sequence, not a list*)
+    os.environ         launcher env + job env + WWRUN_*   `_ThreadEnviron`
+    stdin/out/err      the job's pipes (logs, display)    `_ThreadStream`
+    working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
+    atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
+    os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
+    child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
+    threads            inherit the job of their starter   patched `threading.Thread.start`
+
+*A list subclass would be read directly by C code (`" ".join(sys.argv)`, `json`),
+bypassing the dispatch: a plain sequence fails loudly where a list would be silently
+wrong.
+
+What stays shared (documented for users): C-level `getenv`, the global RNG, torch's
+global flags, `logging`'s root configuration, warning filters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections.abc
+import ctypes
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import os
+import signal
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+
+_local = threading.local()
+_LAUNCHER_PID = os.getpid()
+_CLONE_FS = 0x00000200
+
+
+def current_job() -> JobContext | None:
+    """The job whose thread (or a thread it started) is running, else None."""
+    return getattr(_local, "job", None)
+
+
+class JobExit(BaseException):
+    """Raised in a job's thread in place of `os._exit(code)`: ends that job only."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(eq=False)
+class JobContext:
+    """Everything a running job sees in place of the process's own state."""
+
+    name: str
+    argv: list[str]
+    environ: dict[str, str]
+    cwd: str
+    local_roots: list[str]
+    """Folders whose modules are private to this job (the script's folder)."""
+    stdout: io.TextIOBase
+    stderr: io.TextIOBase
+    stdout_fd: int
+    stderr_fd: int
+    main: types.ModuleType = field(default_factory=lambda: types.ModuleType("__main__"))
+    modules: dict[str, types.ModuleType] = field(default_factory=dict)
+    """Private copies of modules found in `local_roots`, by name."""
+    stdin: io.TextIOBase = field(default_factory=lambda: open(os.devnull))  # noqa: SIM115
+    atexit_handlers: list = field(default_factory=list)
+    signal_handlers: dict = field(default_factory=dict)
+    threads: list = field(default_factory=list)
+    """Threads the job started (its non-daemon threads are joined when it ends)."""
+    thread_id: int | None = None
+    traceback: str | None = None
+    """The uncaught exception's traceback, once the job failed with one."""
+
+
+def enter(job: JobContext) -> None:
+    """Make the calling thread `job`'s main thread: its state and working directory."""
+    job.thread_id = threading.get_ident()
+    _local.job = job
+    own_working_directory(job.cwd)
+
+
+def leave() -> None:
+    _local.job = None
+
+
+def find_spec(job: JobContext, name: str):
+    """`importlib.util.find_spec` as seen from the job: its own folders first."""
+    spec = _find_private_spec(job, name)
+    return spec if spec is not None else importlib.util.find_spec(name)
+
+
+def process_environ():
+    """The process's real environment (what jobs start from)."""
+    return _originals.get("os.environ", os.environ)
+
+
+def own_working_directory(path: str) -> None:
+    """Give the calling thread its own working directory, then move it to `path`.
+
+    Linux's unshare(CLONE_FS) detaches the thread's filesystem context (cwd, umask)
+    from the rest of the process; threads it starts afterwards share it, and C-level
+    opens (`torch.save("x.pt")`) follow it. Elsewhere a job may only use the
+    launcher's own directory: say so rather than misplace files.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.unshare(_CLONE_FS) != 0
+    except (OSError, AttributeError):
+        failed = True
+    if failed:
+        if os.path.realpath(path) != os.path.realpath(os.getcwd()):
+            raise OSError(
+                "per-job working directories need Linux unshare(CLONE_FS); "
+                f"this system cannot run a job in {path!r}"
+            )
+        return
+    os.chdir(path)
+
+
+def run_atexit_handlers(job: JobContext) -> None:
+    """Run the job's atexit handlers, last registered first, as Python does at exit."""
+    while job.atexit_handlers:
+        func, args, kwargs = job.atexit_handlers.pop()
+        try:
+            func(*args, **kwargs)
+        except SystemExit:
+            pass
+        except BaseException:  # noqa: BLE001 - reported like Python's own atexit
+            import traceback
+
+            print("Exception ignored in atexit callback", func, file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+
+
+def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
+    """Raise `exc` asynchronously in the thread (at its next Python bytecode)."""
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc)
+    )
+    return done == 1
+
+
+# ---------------------------------------------------------------------------------
+# Thread-dispatching views
+
+
+class _MainModule(types.ModuleType):
+    """`sys.modules['__main__']`: the current job's main module, else the launcher's.
+
+    Classes defined in a script have `__module__ == '__main__'`; pickle (DataLoader
+    workers, torch.save) looks them up here and so finds the right job's class.
+    """
+
+    def __init__(self, original: types.ModuleType):
+        super().__init__("__main__")
+        object.__setattr__(self, "_wwrun_original", original)
+
+    def _wwrun_target(self):
+        job = current_job()
+        return job.main if job else object.__getattribute__(self, "_wwrun_original")
+
+    def __getattribute__(self, name):
+        if name in ("_wwrun_target", "_wwrun_original", "__class__"):
+            return object.__getattribute__(self, name)
+        return getattr(self._wwrun_target(), name)
+
+    def __setattr__(self, name, value):
+        setattr(self._wwrun_target(), name, value)
+
+    def __delattr__(self, name):
+        delattr(self._wwrun_target(), name)
+
+    def __dir__(self):
+        return dir(self._wwrun_target())
+
+    def __repr__(self):
+        return repr(self._wwrun_target())
+
+
+class _ThreadArgv(collections.abc.MutableSequence):
+    """`sys.argv`: the current job's argv, else the launcher's."""
+
+    def __init__(self, original: list):
+        self._original = original
+
+    def _target(self) -> list:
+        job = current_job()
+        return job.argv if job else self._original
+
+    def __getitem__(self, i):
+        return self._target()[i]
+
+    def __setitem__(self, i, value):
+        self._target()[i] = value
+
+    def __delitem__(self, i):
+        del self._target()[i]
+
+    def __len__(self):
+        return len(self._target())
+
+    def insert(self, i, value):
+        self._target().insert(i, value)
+
+    def __iter__(self):
+        return iter(self._target())
+
+    def __eq__(self, other):
+        return self._target() == (list(other) if isinstance(other, _ThreadArgv) else other)
+
+    def __add__(self, other):
+        return self._target() + list(other)
+
+    def __radd__(self, other):
+        return list(other) + self._target()
+
+    def copy(self):
+        return list(self._target())
+
+    def __repr__(self):
+        return repr(self._target())
+
+    def __reduce__(self):  # pickles (multiprocessing spawn) as the plain list it shows
+        return (list, (list(self._target()),))
+
+    __hash__ = None
+
+
+class _ThreadEnviron(collections.abc.MutableMapping):
+    """`os.environ`: the current job's environment, else the process's real one.
+
+    A job's changes stay in its own dict: they reach its child processes (see
+    `_fork_exec`), not C-level `getenv` or other jobs.
+    """
+
+    def __init__(self, original):
+        self._original = original
+
+    def _target(self):
+        job = current_job()
+        return job.environ if job else self._original
+
+    def __getitem__(self, key):
+        return self._target()[key]
+
+    def __setitem__(self, key, value):
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"str expected, not {type(key if not isinstance(key, str) else value).__name__}")
+        self._target()[key] = value
+
+    def __delitem__(self, key):
+        del self._target()[key]
+
+    def __iter__(self):
+        return iter(list(self._target()))
+
+    def __len__(self):
+        return len(self._target())
+
+    def copy(self):
+        return dict(self._target())
+
+    def __repr__(self):
+        return f"environ({dict(self._target())!r})"
+
+
+class _ThreadStream(io.TextIOBase):
+    """`sys.stdin/stdout/stderr`: the current job's stream, else the original."""
+
+    def __init__(self, which: str, original):
+        self._which = which
+        self._original = original
+
+    def _target(self):
+        job = current_job()
+        return getattr(job, self._which) if job else self._original
+
+    def write(self, text):
+        return self._target().write(text)
+
+    def writelines(self, lines):
+        self._target().writelines(lines)
+
+    def flush(self):
+        self._target().flush()
+
+    def read(self, *args):
+        return self._target().read(*args)
+
+    def readline(self, *args):
+        return self._target().readline(*args)
+
+    def fileno(self):
+        return self._target().fileno()
+
+    def isatty(self):
+        return self._target().isatty()
+
+    def readable(self):
+        return self._target().readable()
+
+    def writable(self):
+        return self._target().writable()
+
+    def close(self):  # `exit()` closes sys.stdin: only the job's copy
+        job = current_job()
+        if job:
+            getattr(job, self._which).close()
+
+    @property
+    def closed(self):
+        return self._target().closed
+
+    @property
+    def encoding(self):
+        return self._target().encoding
+
+    @property
+    def errors(self):
+        return self._target().errors
+
+    @property
+    def buffer(self):
+        return self._target().buffer
+
+    def __getattr__(self, name):
+        return getattr(self._target(), name)
+
+
+# ---------------------------------------------------------------------------------
+# Private sibling modules
+
+
+class _SharedName(types.ModuleType):
+    """`sys.modules[name]` for a module found in a job's own folder: each job sees its
+    own copy, loaded at its first use, so two scripts that each `from model import Net`
+    get their own `model`. A thread of no job, or of a job without such a module, sees
+    an empty module (AttributeError), as introspection over `sys.modules` expects."""
+
+    def _wwrun_target(self):
+        job = current_job()
+        if job is None:
+            return None
+        name = object.__getattribute__(self, "__name__")
+        return job.modules.get(name) or _load_private(job, name)
+
+    def __getattribute__(self, name):
+        if name in ("_wwrun_target", "__class__"):
+            return object.__getattribute__(self, name)
+        target = self._wwrun_target()
+        if target is None:
+            if name.startswith("__") and name.endswith("__"):
+                return object.__getattribute__(self, name)
+            module = object.__getattribute__(self, "__name__")
+            raise AttributeError(f"module {module!r} is private to the jobs whose folder holds it")
+        try:
+            return getattr(target, name)
+        except AttributeError:
+            # `import pkg.sub` by a second job: the first registered the submodule in
+            # sys.modules; this job's copy is bound at first access.
+            sub = sys.modules.get(f"{target.__name__}.{name}")
+            if isinstance(sub, _SharedName):
+                return sub
+            raise
+
+    def __setattr__(self, name, value):
+        # The import machinery stamps __spec__, __loader__... on what create_module
+        # returned: keep those on the proxy, the private copies have their own.
+        if name in _IMPORT_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._wwrun_target(), name, value)
+
+    def __delattr__(self, name):
+        delattr(self._wwrun_target(), name)
+
+    def __dir__(self):
+        target = self._wwrun_target()
+        return dir(target) if target is not None else []
+
+
+_IMPORT_ATTRS = frozenset(
+    {"__name__", "__spec__", "__loader__", "__package__", "__path__", "__file__", "__cached__"}
+)
+_load_lock = threading.RLock()
+
+
+def _find_private_spec(job: JobContext, name: str):
+    """The spec of `name` if it lives in the job's own folders or in one of its
+    private packages, else None."""
+    parent, _, _ = name.rpartition(".")
+    if not parent:
+        return importlib.machinery.PathFinder.find_spec(name, job.local_roots)
+    package = job.modules.get(parent) or _load_private(job, parent)
+    search = getattr(package, "__path__", None)
+    return importlib.machinery.PathFinder.find_spec(name, list(search)) if search else None
+
+
+def _load_private(job: JobContext, name: str):
+    """Load the job's own copy of `name`, or None if its folders hold no such module."""
+    with _load_lock:
+        if name in job.modules:
+            return job.modules[name]
+        spec = _find_private_spec(job, name)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        job.modules[name] = module  # before exec: circular imports find it
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del job.modules[name]
+            raise
+        parent, _, child = name.rpartition(".")
+        if parent in job.modules:
+            setattr(job.modules[parent], child, sys.modules.get(name, module))
+        return module
+
+
+class _JobLocalFinder(importlib.abc.MetaPathFinder):
+    """First on `sys.meta_path`: a module in the importing job's own folders becomes a
+    `_SharedName` in `sys.modules` with the job's private copy behind it."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        job = current_job()
+        if job is None:
+            return None
+        spec = _find_private_spec(job, fullname)
+        if spec is None:
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname,
+            _JobLocalLoader(),
+            origin=spec.origin,
+            is_package=spec.submodule_search_locations is not None,
+        )
+
+
+class _JobLocalLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        existing = sys.modules.get(spec.name)
+        return existing if isinstance(existing, _SharedName) else _SharedName(spec.name)
+
+    def exec_module(self, module):
+        name = object.__getattribute__(module, "__name__")
+        job = current_job()
+        if job is None or _load_private(job, name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+# ---------------------------------------------------------------------------------
+# Patches of process-wide functions
+
+
+def _atexit_register(func, *args, **kwargs):
+    """Handlers registered by a job's own code run when that job ends; those registered
+    by libraries it imports stay process-wide (e.g. logging's shutdown)."""
+    job = current_job()
+    if job is not None and _called_from_job_code(job):
+        job.atexit_handlers.append((func, args, kwargs))
+        return func
+    return _originals["atexit.register"](func, *args, **kwargs)
+
+
+def _atexit_unregister(func):
+    job = current_job()
+    if job is not None:
+        job.atexit_handlers[:] = [h for h in job.atexit_handlers if h[0] != func]
+    _originals["atexit.unregister"](func)
+
+
+def _called_from_job_code(job: JobContext) -> bool:
+    caller = sys._getframe(2).f_globals
+    if caller is job.main.__dict__:
+        return True
+    return any(caller is module.__dict__ for module in job.modules.values())
+
+
+def _signal_signal(signalnum, handler):
+    """From a job's thread, remember the handler for that job instead of raising
+    ValueError ('signal only works in main thread'); the launcher owns real signals."""
+    job = current_job()
+    if job is None:
+        return _originals["signal.signal"](signalnum, handler)
+    previous = job.signal_handlers.get(signalnum, _originals["signal.getsignal"](signalnum))
+    job.signal_handlers[signalnum] = handler
+    return previous
+
+
+def _signal_getsignal(signalnum):
+    job = current_job()
+    if job is not None and signalnum in job.signal_handlers:
+        return job.signal_handlers[signalnum]
+    return _originals["signal.getsignal"](signalnum)
+
+
+def _os_exit(code):
+    # Forked children (DataLoader workers) end with os._exit: only the launcher
+    # process itself turns it into the end of one job.
+    if os.getpid() == _LAUNCHER_PID and current_job() is not None:
+        raise JobExit(int(code))
+    _originals["os._exit"](code)
+
+
+def _thread_start(self):
+    self._wwrun_job = job = current_job()
+    if job is not None:
+        job.threads.append(self)
+    return _originals["Thread.start"](self)
+
+
+def _thread_bootstrap_inner(self):
+    _local.job = getattr(self, "_wwrun_job", None)
+    return _originals["Thread._bootstrap_inner"](self)
+
+
+# _posixsubprocess.fork_exec's leading positional parameters (stable since 3.2).
+_ENV, _C2PWRITE, _ERRWRITE = 5, 9, 11
+
+
+def _fork_exec(*args):
+    """Every child process (subprocess, multiprocessing spawn) of a job gets the job's
+    environment and, unless redirected, writes into the job's output pipes."""
+    job = current_job()
+    if job is not None:
+        args = list(args)
+        if args[_ENV] is None:
+            args[_ENV] = [f"{k}={v}".encode() for k, v in job.environ.items()]
+        if args[_C2PWRITE] == -1:
+            args[_C2PWRITE] = job.stdout_fd
+        if args[_ERRWRITE] == -1:
+            args[_ERRWRITE] = job.stderr_fd
+    return _originals["fork_exec"](*args)
+
+
+def _get_preparation_data(name):
+    """multiprocessing spawn: the child must find the job's sibling modules."""
+    data = _originals["get_preparation_data"](name)
+    job = current_job()
+    if job is not None:
+        data["sys_path"] = [*job.local_roots, *data["sys_path"]]
+    return data
+
+
+_originals: dict = {}
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Put the thread-dispatching views in place. Threads that belong to no job keep
+    seeing the original objects, so installing changes nothing for the launcher.
+
+    Idempotent; called at every launch, it also re-wraps whatever replaced a view in
+    the meantime (pytest's capture, a notebook's streams).
+    """
+    with _install_lock:
+        if not _originals:
+            _patch_functions()
+        main = sys.modules["__main__"]
+        if not isinstance(main, _MainModule):
+            sys.modules["__main__"] = _MainModule(main)
+        if not isinstance(sys.argv, _ThreadArgv):
+            sys.argv = _ThreadArgv(sys.argv)
+        if not isinstance(os.environ, _ThreadEnviron):
+            _originals["os.environ"] = os.environ
+            os.environ = _ThreadEnviron(os.environ)
+        for name in ("stdin", "stdout", "stderr"):
+            stream = getattr(sys, name)
+            if not isinstance(stream, _ThreadStream):
+                _originals[name] = stream
+                setattr(sys, name, _ThreadStream(name, stream))
+        if not any(isinstance(f, _JobLocalFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _JobLocalFinder())
+
+
+def _patch_functions() -> None:
+    # Import what registers process-wide atexit handlers or spawns helpers now, from
+    # the launcher, so that a job's first import does not claim them.
+    import _posixsubprocess
+    import logging  # noqa: F401
+    import multiprocessing.spawn
+    import multiprocessing.util  # noqa: F401
+    import subprocess
+
+    _originals.update({
+        "atexit.register": atexit.register,
+        "atexit.unregister": atexit.unregister,
+        "signal.signal": signal.signal,
+        "signal.getsignal": signal.getsignal,
+        "os._exit": os._exit,
+        "Thread.start": threading.Thread.start,
+        "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
+        "fork_exec": _posixsubprocess.fork_exec,
+        "get_preparation_data": multiprocessing.spawn.get_preparation_data,
+    })
+    atexit.register = _atexit_register
+    atexit.unregister = _atexit_unregister
+    signal.signal = _signal_signal
+    signal.getsignal = _signal_getsignal
+    os._exit = _os_exit
+    threading.Thread.start = _thread_start
+    threading.Thread._bootstrap_inner = _thread_bootstrap_inner
+    _posixsubprocess.fork_exec = _fork_exec
+    # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
+    subprocess._fork_exec = _fork_exec
+    subprocess._USE_POSIX_SPAWN = False
+    multiprocessing.spawn.get_preparation_data = _get_preparation_data
+
+
+def original_stdout():
+    """The process's own stdout/stderr, for the launcher's output."""
+    return _originals.get("stdout", sys.stdout)
+
+
+def original_stderr():
+    return _originals.get("stderr", sys.stderr)

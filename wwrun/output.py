@@ -1,0 +1,145 @@
+"""Job output: every job writes into its own pair of pipes; one pump thread drains
+them all into the job's log files and hands complete lines to the display.
+
+Pipes rather than Python-level buffers, because a job's output comes from more than
+its own thread: threads it starts, forked DataLoader workers (they inherit the fds)
+and spawned or `subprocess` children (their stdout/stderr are pointed at the pipes,
+see `isolation._fork_exec`). All of it lands in the job's logs, in order.
+
+On-disk layout (like torchrun's)::
+
+    <log_dir>/<run_id>/recipe.yaml            the resolved recipe
+    <log_dir>/<run_id>/<job>/stdout.log
+    <log_dir>/<run_id>/<job>/stderr.log
+    <log_dir>/<run_id>/<job>/error.json       only when the job failed
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import selectors
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+LineSink = Callable[[str, str, str], None]
+"""on_line(job_name, stream ('stdout'|'stderr'), line without its newline)"""
+
+_CHUNK = 1 << 16
+
+
+class JobOutput:
+    """One job's stdout and stderr: the write ends for the job, the log files for the pump."""
+
+    def __init__(self, name: str, folder: Path):
+        self.name = name
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._read_fds: dict[int, str] = {}
+        self._logs: dict[str, io.BufferedWriter] = {}
+        self._partial: dict[str, bytes] = {}
+        self.fds: dict[str, int] = {}
+        for stream in ("stdout", "stderr"):
+            read_fd, write_fd = os.pipe()
+            self._read_fds[read_fd] = stream
+            self.fds[stream] = write_fd
+            self._logs[stream] = open(folder / f"{stream}.log", "wb")  # noqa: SIM115
+            self._partial[stream] = b""
+        # Line-buffered text streams over the pipes: what the job sees as sys.stdout/err.
+        self.stdout = self._text_stream("stdout")
+        self.stderr = self._text_stream("stderr")
+        self.last_line = ""
+
+    def _text_stream(self, stream: str) -> io.TextIOWrapper:
+        raw = io.FileIO(self.fds[stream], "w", closefd=False)
+        return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+
+    def close_writers(self) -> None:
+        """The job has ended: flush and close the launcher's write ends (children may
+        still hold theirs until they exit)."""
+        for text in (self.stdout, self.stderr):
+            try:
+                text.flush()
+            except (OSError, ValueError):
+                pass
+        for stream, fd in list(self.fds.items()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            self.fds[stream] = -1
+
+    def _feed(self, stream: str, data: bytes, on_line: LineSink) -> None:
+        self._logs[stream].write(data)
+        self._logs[stream].flush()
+        # Progress bars redraw with '\r': each redraw counts as a line for the display.
+        text = self._partial[stream] + data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, self._partial[stream] = text.split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", "backslashreplace")
+            if line.strip():
+                self.last_line = line
+            on_line(self.name, stream, line)
+
+    def _finish(self, stream: str, on_line: LineSink) -> None:
+        rest = self._partial[stream]
+        if rest:
+            self._partial[stream] = b""
+            line = rest.decode("utf-8", "backslashreplace")
+            self.last_line = line
+            on_line(self.name, stream, line)
+        self._logs[stream].close()
+
+
+class Pump:
+    """One thread draining every job's pipes (a selector over the read ends)."""
+
+    def __init__(self, on_line: LineSink):
+        self._on_line = on_line
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._open = 0
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="wwrun-pump", daemon=True)
+        self._stopping = False
+        self._thread.start()
+
+    def add(self, output: JobOutput) -> None:
+        with self._lock:
+            for fd, stream in output._read_fds.items():
+                self._selector.register(fd, selectors.EVENT_READ, (output, stream))
+                self._open += 1
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping and self._open == 0:
+                    return
+            for key, _ in self._selector.select(timeout=0.5):
+                if key.data is None:
+                    os.read(self._wake_r, 4096)
+                    continue
+                output, stream = key.data
+                try:
+                    data = os.read(key.fd, _CHUNK)
+                except OSError:
+                    data = b""
+                if data:
+                    output._feed(stream, data, self._on_line)
+                    continue
+                with self._lock:  # end of file: every writer has closed
+                    self._selector.unregister(key.fd)
+                    os.close(key.fd)
+                    self._open -= 1
+                output._finish(stream, self._on_line)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait until every pipe reached end of file (all writers closed), then stop.
+        After `timeout` seconds whatever is left is abandoned (a lingering child)."""
+        with self._lock:
+            self._stopping = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout)
