@@ -11,11 +11,19 @@ DNN Training", IEEE Transactions on Computers 72(10), 2023).
 __version__ = "0.1.0"
 
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, parse_size  # noqa: E402
+from wwrun.launcher import JobResult, JobState, RunResult, launch  # noqa: E402
+from wwrun.recipe import dump_recipe, load_recipe  # noqa: E402
 
 __all__ = [
     "ConfigError",
+    "JobResult",
     "JobSpec",
+    "JobState",
     "LaunchConfig",
+    "RunResult",
     "__version__",
+    "dump_recipe",
+    "launch",
+    "load_recipe",
     "parse_size",
 ]

@@ -27,4 +27,15 @@ elif how == "loop":
     except KeyboardInterrupt:
         print("got KeyboardInterrupt", flush=True)
         raise
+elif how == "stubborn":  # ignores the first interrupt
+    while True:
+        try:
+            time.sleep(0.01)
+        except KeyboardInterrupt:
+            print("ignoring KeyboardInterrupt", flush=True)
+elif how == "orphan":  # leaves a child process behind
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    print("child pid", child.pid, flush=True)
 print("after", how)

@@ -1,0 +1,178 @@
+"""The run as a whole: ordering and limits, the report and events, interrupts, and
+the processes jobs leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from wwrun import JobSpec, JobState, LaunchConfig, launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ENDING = str(SCRIPTS / "ending.py")
+
+
+def ending(name, how="ok", delay=0.0, **fields):
+    return JobSpec(name=name, script=ENDING, args=[how, str(delay)], **fields)
+
+
+def run(tmp_path, *jobs, **options):
+    options.setdefault("quiet", True)
+    return launch(LaunchConfig(jobs=list(jobs), log_dir=str(tmp_path / "logs"), **options))
+
+
+def overlaps(a, b) -> bool:
+    return a.started < b.ended and b.started < a.ended
+
+
+def test_concurrent_jobs_overlap(tmp_path):
+    result = run(tmp_path, ending("a", delay=0.5), ending("b", delay=0.5), policy="concurrent")
+    a, b = result.jobs
+    assert overlaps(a, b)
+    assert result.wall_s < a.wall_s + b.wall_s
+
+
+def test_sequential_runs_one_after_another_in_priority_order(tmp_path):
+    result = run(
+        tmp_path,
+        ending("low", delay=0.2),
+        ending("high", delay=0.2, priority=5),
+        policy="sequential",
+    )
+    low, high = result.jobs
+    assert not overlaps(low, high)
+    assert high.ended <= low.started  # higher priority went first
+
+
+def test_max_concurrent_holds_the_rest_in_the_queue(tmp_path):
+    result = run(tmp_path, *(ending(f"j{i}", delay=0.4) for i in range(3)), max_concurrent=2)
+    j0, j1, j2 = result.jobs
+    assert overlaps(j0, j1)
+    assert j2.started >= min(j0.ended, j1.ended)
+
+
+def test_report_and_events(tmp_path):
+    report, events = tmp_path / "report.json", tmp_path / "events.jsonl"
+    result = run(
+        tmp_path, ending("ok"), ending("bad", "exit3"), report=str(report), events=str(events)
+    )
+    data = json.loads(report.read_text())
+    assert set(data["run"]) >= {
+        "run_id", "device", "policy", "torch", "host", "started", "wall_s", "exit_code", "root_cause",
+    }
+    assert data["run"]["exit_code"] == 3 and data["run"]["root_cause"] == "bad"
+    assert data["run"]["device"] == result.device == "cpu"
+    jobs = {j["name"]: j for j in data["jobs"]}
+    assert set(jobs["ok"]) >= {"name", "script", "args", "cwd", "state", "exit_code", "started", "wall_s", "error"}
+    assert (jobs["ok"]["state"], jobs["ok"]["exit_code"]) == ("succeeded", 0)
+    assert (jobs["bad"]["state"], jobs["bad"]["exit_code"], jobs["bad"]["args"]) == ("failed", 3, ["exit3", "0.0"])
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["state"] for e in lines if e["job"] == "bad"] == ["pending", "running", "failed"]
+    assert [e["state"] for e in lines if e["job"] == "ok"] == ["pending", "running", "succeeded"]
+    assert all(e["run_id"] == result.run_id for e in lines)
+    # The resolved recipe is kept beside the logs, and loads back to the same jobs.
+    from wwrun import load_recipe
+
+    again = load_recipe(Path(result.log_dir) / "recipe.yaml")
+    assert [j.name for j in again.jobs] == ["ok", "bad"]
+    assert again.jobs[1].args == ["exit3", "0.0"]
+
+
+def test_earliest_failure_is_the_root_cause(tmp_path):
+    result = run(tmp_path, ending("late", "exit3", 0.6), ending("early", "raise", 0.1), ending("fine"))
+    assert result.root_cause == "early"
+    assert result.exit_code == 1
+    assert result.is_failed()
+
+
+def _interrupt_soon(delay: float, times: int = 1):
+    def send():
+        for _ in range(times):
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_first_interrupt_reaches_every_job_and_cancels_the_queue(tmp_path):
+    _interrupt_soon(1.5)
+    result = run(
+        tmp_path,
+        ending("a", "loop"),
+        ending("b", "loop"),
+        ending("queued"),
+        max_concurrent=2,
+        grace_period_s=10,
+    )
+    a, b, queued = result.jobs
+    for job in (a, b):
+        assert (job.state, job.exit_code) == (JobState.INTERRUPTED, 130)
+        assert "got KeyboardInterrupt" in (Path(job.log_dir) / "stdout.log").read_text()
+    assert queued.state == JobState.CANCELLED and queued.started is None
+    assert result.exit_code == 130
+
+
+def test_job_ignoring_the_interrupt_is_abandoned_after_the_grace_period(tmp_path):
+    _interrupt_soon(1.0)
+    start = time.monotonic()
+    result = run(tmp_path, ending("stubborn", "stubborn"), ending("polite", "loop"), grace_period_s=1.0)
+    assert time.monotonic() - start < 8
+    stubborn, polite = result.jobs
+    assert polite.state == JobState.INTERRUPTED
+    assert stubborn.state == JobState.INTERRUPTED
+    assert stubborn.error == "did not stop within the grace period"
+
+
+def test_second_interrupt_ends_the_process_at_once(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), ENDING, "stubborn"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "before stubborn")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130
+
+
+def test_sigterm_interrupts_like_ctrl_c_with_a_summary(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), ENDING, "loop", ":", ENDING, "loop"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "before loop")
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "root cause" in err
+
+
+def test_no_child_process_outlives_the_run(tmp_path):
+    result = run(tmp_path, ending("orphan", "orphan"))
+    assert result.exit_code == 0
+    out = (Path(result.jobs[0].log_dir) / "stdout.log").read_text()
+    pid = int(out.split("child pid ")[1].split()[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _wait_for_line(proc, text: str, timeout: float = 30) -> None:
+    """Read the (non-terminal, so plain prefixed) output until `text` shows up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"never saw {text!r}: {proc.stderr.read()}")
