@@ -102,7 +102,11 @@ class LiveDisplay(QuietDisplay):
 
     def start(self, runner) -> None:
         self.runner = runner
-        self._live = Live(get_renderable=self._table, console=self.err, refresh_per_second=4, transient=True)
+        # Never redirect sys.stdout/err: they are the per-job views (wwrun.isolation).
+        self._live = Live(
+            get_renderable=self._table, console=self.err, refresh_per_second=4, transient=True,
+            redirect_stdout=False, redirect_stderr=False,
+        )
         self._live.start()
 
     def line(self, job: str, stream: str, text: str) -> None:
