@@ -172,3 +172,13 @@ def test_launcher_state_is_untouched_by_jobs(tmp_path):
     assert os.getcwd() == cwd
     assert "SET_BY_JOB" not in os.environ and dict(os.environ) == env
     assert sys.modules["__main__"].__name__ == "__main__"
+
+
+@pytest.mark.gpu
+def test_each_job_runs_on_its_own_cuda_stream(tmp_path):
+    result = run(tmp_path, job("s1", "stream.py"), job("s2", "stream.py"), device="cuda")
+    assert result.exit_code == 0, log(result, "s1", "stderr")
+    lines = [log(result, name).strip() for name in ("s1", "s2")]
+    streams = {line.split()[0] for line in lines}
+    assert len(streams) == 2  # two different streams
+    assert all("default=False ok=True" in line for line in lines)

@@ -311,6 +311,7 @@ class _Runner:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            ctx.stdin.close()
             isolation.leave()
         with self._cond:
             if not job.result.state.is_final:
