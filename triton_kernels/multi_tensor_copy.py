@@ -103,9 +103,10 @@ def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device: torch.device) -> None:
-    (src_addrs, dst_addrs, nbytes, block_starts), num_programs = range_table([src, dst], nbytes, device)
+    table, num_programs = range_table([src, dst], nbytes, device)
     if num_programs == 0:
         return
+    src_addrs, dst_addrs, nbytes, block_starts = table
     with on_device(device):
         _multi_tensor_copy_kernel[(num_programs,)](
             src_addrs,

@@ -98,9 +98,10 @@ def zero_ranges_(
 
 
 def _launch(dst: torch.Tensor, nbytes: torch.Tensor, device: torch.device) -> None:
-    (dst_addrs, nbytes, block_starts), num_programs = range_table([dst], nbytes, device)
+    table, num_programs = range_table([dst], nbytes, device)
     if num_programs == 0:
         return
+    dst_addrs, nbytes, block_starts = table
     with on_device(device):
         _multi_tensor_zero_kernel[(num_programs,)](
             dst_addrs,

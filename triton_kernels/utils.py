@@ -202,7 +202,8 @@ def range_table(columns: Sequence[torch.Tensor], nbytes: torch.Tensor, device: t
 
     `columns` are int64 CPU tensors of addresses (one entry per range) and `nbytes`
     the byte counts. Empty ranges are left out (they need no program). The returned
-    views are `*columns, nbytes, block_starts`; num_programs == 0 means nothing to do.
+    views are `*columns, nbytes, block_starts`; when num_programs == 0 there is nothing
+    to do and no table (None).
     Everything goes up in one host->device copy from pinned memory: asynchronous, and
     the caching host allocator keeps the pinned block alive until the copy has run.
     """
@@ -214,6 +215,8 @@ def range_table(columns: Sequence[torch.Tensor], nbytes: torch.Tensor, device: t
     block_starts = torch.zeros(len(nbytes) + 1, dtype=torch.int64)
     torch.cumsum(chunks, 0, out=block_starts[1:])
     num_programs = int(block_starts[-1])
+    if num_programs == 0:
+        return None, 0
     table = torch.cat([*columns, nbytes, block_starts])
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
