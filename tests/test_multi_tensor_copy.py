@@ -8,6 +8,8 @@ write cannot pass as right.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.kernel_helpers import (
     DEVICES,
@@ -103,6 +105,27 @@ def test_round_trip_any_alignment(device, layout):
     # And into destinations at other residues: unpack into views of a poisoned storage.
     shifted = [(offset + 9, size) for offset, size in layout]
     targets = views_at(shifted, generator, device)
+    unpack(pack(tensors), targets)
+    for original, target in zip(tensors, targets):
+        assert torch.equal(target, original)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=25, deadline=None)
+@given(
+    places=st.lists(st.tuples(st.integers(0, 47), st.integers(0, 300)), min_size=1, max_size=6),
+    shift=st.integers(0, 15),
+)
+def test_round_trip_random_places(device, places, shift):
+    """Any mix of sizes and of source / destination residues mod 16."""
+    generator = torch.Generator().manual_seed(len(places) * 16 + shift)
+    layout, end = [], 0
+    for gap, size in places:  # disjoint places, each after a random gap
+        layout.append((end + gap, size))
+        end += gap + size
+    tensors = views_at(layout, generator, device)
+    assert_round_trip(tensors, device)
+    targets = views_at([(offset + shift, size) for offset, size in layout], generator, device)
     unpack(pack(tensors), targets)
     for original, target in zip(tensors, targets):
         assert torch.equal(target, original)

@@ -128,9 +128,14 @@ def _chunk_of_program(block_starts_ptr, nbytes_ptr, num_ranges, CHUNK: tl.conste
 # --------------------------------------------------------------------- host helpers
 
 
+# Decided once, as `@triton.jit` decided it for the kernels above when this module was
+# imported: setting TRITON_INTERPRET later changes neither.
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU (`TRITON_INTERPRET=1` at import)."""
-    return bool(triton.knobs.runtime.interpret)
+    """True when the kernels run on the CPU in Triton's interpreter (`TRITON_INTERPRET=1`)."""
+    return _INTERPRETED
 
 
 def launch_device(tensors: Sequence[torch.Tensor], what: str) -> torch.device:
