@@ -39,9 +39,6 @@ BLOCK_BYTES = 4096
 
 NUM_WARPS = 4
 
-ALIGN_BYTES = 16
-"""Width of the widest global access a thread issues (128-bit)."""
-
 
 # --------------------------------------------------------------------------- kernels
 
@@ -81,16 +78,17 @@ def _move_chunk(src_addr, dst_addr, lo, hi, ZERO: tl.constexpr, BLOCK: tl.conste
 
     Bytes are the unit of meaning, but byte-wide accesses would run at a fraction of
     memory bandwidth (one load instruction per byte per thread). When source and
-    destination have the same address modulo 16 (always the case for zeroing, and
-    for tensors from the caching allocator packed at 16-byte multiples), the middle
-    of the chunk is moved in aligned 16-byte accesses and only the <16-byte head and
-    tail byte by byte. Otherwise the whole chunk goes byte by byte.
+    destination have the same address modulo 16 (always so when zeroing; so when
+    packing allocator-made tensors whose byte sizes are multiples of 16, as fp32 and
+    bf16 activations nearly always are), the middle of the chunk is moved in aligned
+    16-byte accesses and only the <16-byte head and tail byte by byte. Otherwise the
+    whole chunk goes byte by byte.
     """
     dst_bytes = dst_addr.to(tl.pointer_type(tl.uint8))
     src_bytes = src_addr.to(tl.pointer_type(tl.uint8))
-    # Head: bytes until the destination is 16-byte aligned (the same for the source).
-    head = tl.minimum((0 - (dst_addr + lo)) & 15, hi - lo)
     if ((src_addr - dst_addr) & 15) == 0:
+        # Head: bytes until the destination (hence also the source) is 16-byte aligned.
+        head = tl.minimum((0 - (dst_addr + lo)) & 15, hi - lo)
         body_start = lo + head
         body_units = (hi - body_start) >> 4  # whole 16-byte units
         # The compiler cannot see the alignment of an address loaded from memory and
