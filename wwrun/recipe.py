@@ -392,8 +392,13 @@ def _boolean(value, where: str) -> bool:
 
 
 def _size(value, where: str) -> int | float:
+    """A `parse_size` text or byte count, or a fraction of the device like 0.8."""
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ConfigError(where, f"expected a size like '2GiB', '512MB' or '80%', got {_kind(value)}")
+        raise ConfigError(
+            where, f"expected a size like '2GiB', '512MB', '80%' or 0.8, got {_kind(value)}"
+        )
     try:
         return parse_size(value)
     except ValueError as err:
@@ -448,10 +453,11 @@ def _dump_job(job: JobSpec) -> dict:
     }
 
 
-def _percent(fraction: float) -> str:
-    """0.8 -> '80%', with the fewest digits that `parse_size` reads back exactly."""
+def _percent(fraction: float) -> str | float:
+    """0.8 -> '80%' when a percentage reads back as exactly `fraction`; some
+    fractions have no such percentage (x / 100 rounds), and stay a float."""
     for digits in range(6, 18):
         text = f"{fraction * 100:.{digits}g}%"
         if parse_size(text) == fraction:
             return text
-    return f"{fraction * 100!r}%"
+    return fraction
