@@ -66,7 +66,7 @@ def load_recipe(path: str | os.PathLike) -> LaunchConfig:
     label = os.fspath(path)
     try:
         data = _read_yaml(Path(path))
-        return _config_from(data, Path(path).resolve())
+        return _config_from(data, Path(os.path.abspath(path)))
     except ConfigError as err:
         raise ConfigError(f"{label}: {err.where}" if err.where else label, err.reason) from None
 
@@ -77,7 +77,7 @@ def dump_recipe(config: LaunchConfig) -> str:
     `load_recipe` of this text gives a config equal to `config` apart from `run_id`
     (a new run gets a new one) and `source`.
     """
-    import wwrun
+    import wwrun  # here, not at the top: the package's __init__ may import this module
 
     options = {key: _dump_option(getattr(config, key)) for key in OPTION_KEYS}
     jobs = [_dump_job(job) for job in config.jobs]
