@@ -66,7 +66,7 @@ def load_recipe(path: str | os.PathLike) -> LaunchConfig:
     label = os.fspath(path)
     try:
         data = _read_yaml(Path(path))
-        return _config_from(data, Path(path).resolve())
+        return _config_from(data, Path(os.path.abspath(path)))
     except ConfigError as err:
         raise ConfigError(f"{label}: {err.where}" if err.where else label, err.reason) from None
 
@@ -77,7 +77,7 @@ def dump_recipe(config: LaunchConfig) -> str:
     `load_recipe` of this text gives a config equal to `config` apart from `run_id`
     (a new run gets a new one) and `source`.
     """
-    import wwrun
+    import wwrun  # here, not at the top: the package's __init__ may import this module
 
     options = {key: _dump_option(getattr(config, key)) for key in OPTION_KEYS}
     jobs = [_dump_job(job) for job in config.jobs]
@@ -138,7 +138,9 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
     if data is None:
         raise ConfigError("", "empty recipe (expected 'jobs:' and optionally 'defaults:')")
     if not isinstance(data, dict):
-        raise ConfigError("", f"expected a mapping with 'jobs:' and optionally 'defaults:', got {_kind(data)}")
+        raise ConfigError(
+            "", f"expected a mapping with 'jobs:' and optionally 'defaults:', got {_kind(data)}"
+        )
     _check_keys(data, TOP_KEYS, "")
     options = _read_options(_given(data, "defaults", {}), "defaults")
 
@@ -156,9 +158,10 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
         where = f"jobs[{index}]"
         for job, origin in _expand_job(entry, where, recipe.parent):
             if job.name in origin_of:
+                same_entry = origin_of[job.name].startswith(f"{where} ")
                 hint = (
                     "put every sweep key (and {repeat}) in the name template"
-                    if origin_of[job.name].startswith(f"{where} ") else "give one of them another 'name'"
+                    if same_entry else "give one of them another 'name'"
                 )
                 raise ConfigError(
                     f"{where}.name",
@@ -196,58 +199,31 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     _check_keys(entry, JOB_KEYS, where)
     given = {key: value for key, value in entry.items() if value is not None}
 
-    if ("script" in given) == ("module" in given):
-        raise ConfigError(where, "give exactly one of 'script' and 'module'")
-    script = module = cwd = None
-    if "script" in given:
-        script = _absolute(folder, _text(given["script"], f"{where}.script"))
-        if not os.path.isfile(script):
-            raise ConfigError(f"{where}.script", f"no such file: {script}")
-        default_name = _NOT_IN_NAMES.sub("_", Path(script).stem)
-    else:
-        module = _text(given["module"], f"{where}.module")
-        if not _MODULE.match(module):
-            raise ConfigError(f"{where}.module", f"{module!r} is not a module name (like 'pkg.train')")
-        default_name = module
+    script, module, default_name = _read_target(given, where, folder)
+    cwd = None
     if "cwd" in given:
         cwd = _absolute(folder, _text(given["cwd"], f"{where}.cwd"))
         if not os.path.isdir(cwd):
             raise ConfigError(f"{where}.cwd", f"no such folder: {cwd}")
-
     template = _scalar(given["name"], f"{where}.name") if "name" in given else default_name
     args = _read_args(given.get("args", []), f"{where}.args")
     env = _read_env(given.get("env", {}), f"{where}.env")
     priority = _integer(given.get("priority", 0), f"{where}.priority", minimum=None)
-    memory_limit = _size(given["memory_limit"], f"{where}.memory_limit") if "memory_limit" in given else None
+    memory_limit = (
+        _size(given["memory_limit"], f"{where}.memory_limit") if "memory_limit" in given else None
+    )
     repeat = _integer(given.get("repeat", 1), f"{where}.repeat")
     points = _read_sweep(given.get("sweep"), f"{where}.sweep")
+    _check_placeholders(template, args, points[0], given.get("sweep"), where)
 
-    keys = [*points[0], "repeat"]
-    _check_placeholders(template, keys, f"{where}.name")
-    for i, arg in enumerate(args):
-        _check_placeholders(arg, keys, f"{where}.args[{i}]")
-    used = {key for arg in args for key in _PLACEHOLDER.findall(arg)}
-    for key in points[0]:
-        if key not in used:
-            raise ConfigError(
-                f"{where}.sweep.{_sweep_part(given['sweep'], key)}.{key}",
-                f"no {{{key}}} in args uses this value, so every job would run the same",
-            )
-
-    suffixed = not _PLACEHOLDER.search(template)
     expanded = []
     for point in points:
         for index in range(repeat):
             values = {**point, "repeat": str(index)}
-            if suffixed:
-                parts = [f"{key}{value}" for key, value in point.items()]
-                parts += [str(index)] if repeat > 1 else []
-                name = "-".join([template, *(_NOT_IN_NAMES.sub("_", p) for p in parts)])
-            else:
-                name = _fill(template, {k: _NOT_IN_NAMES.sub("_", v) for k, v in values.items()})
             try:
                 job = JobSpec(
-                    name=name, script=script, module=module, cwd=cwd, env=dict(env),
+                    name=_job_name(template, point, index, repeat),
+                    script=script, module=module, cwd=cwd, env=dict(env),
                     args=[_fill(arg, values) for arg in args],
                     priority=priority, memory_limit=memory_limit,
                 )
@@ -257,6 +233,33 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
             shown += [f"repeat={index}"] if repeat > 1 else []
             expanded.append((job, f"{where} ({', '.join(shown)})" if shown else where))
     return expanded
+
+
+def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str | None, str]:
+    """(script, module, default name) of a job: the script's absolute path and stem,
+    or the module's name."""
+    if ("script" in given) == ("module" in given):
+        raise ConfigError(where, "give exactly one of 'script' and 'module'")
+    if "script" in given:
+        script = _absolute(folder, _text(given["script"], f"{where}.script"))
+        if not os.path.isfile(script):
+            raise ConfigError(f"{where}.script", f"no such file: {script}")
+        return script, None, _NOT_IN_NAMES.sub("_", Path(script).stem)
+    module = _text(given["module"], f"{where}.module")
+    if not _MODULE.match(module):
+        raise ConfigError(f"{where}.module", f"{module!r} is not a module name (like 'pkg.train')")
+    return None, module, module
+
+
+def _job_name(template: str, point: dict[str, str], index: int, repeat: int) -> str:
+    """The template's placeholders filled in, or, with none, the template with a
+    suffix per sweep value and repeat: mlp-lr0.1-bs32-0."""
+    safe = {key: _NOT_IN_NAMES.sub("_", value) for key, value in point.items()}
+    if _PLACEHOLDER.search(template):
+        return _fill(template, {**safe, "repeat": str(index)})
+    parts = [f"{key}{value}" for key, value in safe.items()]
+    parts += [str(index)] if repeat > 1 else []
+    return "-".join([template, *parts])
 
 
 def _read_args(args, where: str) -> list[str]:
@@ -326,17 +329,25 @@ def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
     return result
 
 
-def _sweep_part(sweep: dict, key: str) -> str:
-    return "grid" if key in (sweep.get("grid") or {}) else "zip"
-
-
-def _check_placeholders(text: str, keys: list[str], where: str) -> None:
-    for key in _PLACEHOLDER.findall(text):
-        if key not in keys:
-            known = closest(key, keys) or (
-                f" (the sweep gives {', '.join(keys[:-1])})" if len(keys) > 1 else " (this job has no sweep)"
+def _check_placeholders(template: str, args: list[str], point: dict, sweep, where: str) -> None:
+    """Every {key} of the name and args has a value, and every sweep key is used in args."""
+    keys = [*point, "repeat"]
+    texts = [(template, f"{where}.name"), *((arg, f"{where}.args[{i}]") for i, arg in enumerate(args))]
+    for text, at in texts:
+        for key in _PLACEHOLDER.findall(text):
+            if key not in keys:
+                known = closest(key, keys) or (
+                    f" (the sweep gives {', '.join(point)})" if point else " (this job has no sweep)"
+                )
+                raise ConfigError(at, f"placeholder {{{key}}} has no sweep value{known}")
+    used = {key for arg in args for key in _PLACEHOLDER.findall(arg)}
+    for key in point:
+        if key not in used:
+            part = "grid" if key in (sweep.get("grid") or {}) else "zip"
+            raise ConfigError(
+                f"{where}.sweep.{part}.{key}",
+                f"no {{{key}}} in args uses this value, so every job would run the same",
             )
-            raise ConfigError(where, f"placeholder {{{key}}} has no sweep value{known}")
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
@@ -392,8 +403,13 @@ def _boolean(value, where: str) -> bool:
 
 
 def _size(value, where: str) -> int | float:
+    """A `parse_size` text or byte count, or a fraction of the device like 0.8."""
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ConfigError(where, f"expected a size like '2GiB', '512MB' or '80%', got {_kind(value)}")
+        raise ConfigError(
+            where, f"expected a size like '2GiB', '512MB', '80%' or 0.8, got {_kind(value)}"
+        )
     try:
         return parse_size(value)
     except ValueError as err:
@@ -436,7 +452,10 @@ def _dump_option(value):
 
 
 def _dump_job(job: JobSpec) -> dict:
-    target = {"script": os.path.abspath(job.script)} if job.script is not None else {"module": job.module}
+    if job.script is not None:
+        target = {"script": os.path.abspath(job.script)}
+    else:
+        target = {"module": job.module}
     return {
         "name": job.name,
         **target,
@@ -444,14 +463,15 @@ def _dump_job(job: JobSpec) -> dict:
         "env": dict(job.env),
         "cwd": os.path.abspath(job.cwd) if job.cwd is not None else None,
         "priority": job.priority,
-        "memory_limit": _percent(job.memory_limit) if isinstance(job.memory_limit, float) else job.memory_limit,
+        "memory_limit": _dump_option(job.memory_limit),
     }
 
 
-def _percent(fraction: float) -> str:
-    """0.8 -> '80%', with the fewest digits that `parse_size` reads back exactly."""
+def _percent(fraction: float) -> str | float:
+    """0.8 -> '80%' when a percentage reads back as exactly `fraction`; some
+    fractions have no such percentage (x / 100 rounds), and stay a float."""
     for digits in range(6, 18):
         text = f"{fraction * 100:.{digits}g}%"
         if parse_size(text) == fraction:
             return text
-    return f"{fraction * 100!r}%"
+    return fraction
