@@ -176,3 +176,26 @@ def _wait_for_line(proc, text: str, timeout: float = 30) -> None:
             break
     proc.kill()
     pytest.fail(f"never saw {text!r}: {proc.stderr.read()}")
+
+
+def test_jobs_running_at_once_share_the_cpu_threads(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = str(SCRIPTS / "threads.py")
+    before = torch.get_num_threads()
+    result = run(tmp_path, *(JobSpec(name=f"t{i}", script=script) for i in range(3)), max_concurrent=2)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    for job in result.jobs:
+        assert (Path(job.log_dir) / "stdout.log").read_text().strip() == f"threads={share}"
+    assert torch.get_num_threads() == before  # restored after the run
+
+
+def test_explicit_omp_num_threads_is_left_alone(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = str(SCRIPTS / "threads.py")
+    result = run(tmp_path, JobSpec(name="a", script=script), JobSpec(name="b", script=script))
+    for job in result.jobs:
+        assert (Path(job.log_dir) / "stdout.log").read_text().strip() == f"threads={torch.get_num_threads()}"
