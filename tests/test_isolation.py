@@ -117,6 +117,7 @@ def test_threads_logging_and_child_processes_carry_the_job(tmp_path):
         err = (logs / name / "stderr.log").read_text()
         assert f"thread job={name} cwd={cwd}" in out
         assert f"INFO logged from {name}" in err
+        assert f"bar-{name}: 100%" in err  # tqdm writes to the job's stderr
         assert f"child {name} {cwd}" in out  # the job's own os.environ change reached it
         assert "progress 1/2\rprogress 2/2" in out
 

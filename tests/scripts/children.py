@@ -5,6 +5,8 @@ import subprocess
 import sys
 import threading
 
+from tqdm import tqdm
+
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 os.environ["SET_BY_JOB"] = os.environ["WWRUN_JOB_NAME"]
 
@@ -18,5 +20,7 @@ thread = threading.Thread(target=worker)
 thread.start()
 thread.join()
 sys.stdout.write("progress 1/2\rprogress 2/2\n")
+for _ in tqdm(range(3), desc=f"bar-{os.environ['WWRUN_JOB_NAME']}"):
+    pass
 code = "import os; print('child', os.environ['SET_BY_JOB'], os.getcwd())"
 subprocess.run([sys.executable, "-c", code], check=True)
