@@ -137,11 +137,12 @@ def test_second_interrupt_ends_the_process_at_once(tmp_path):
         [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), ENDING, "stubborn"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    _wait_for_line(proc, "before stubborn")
+    _wait_for_line(proc, "ready")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=10) == 130
+    code = proc.wait(timeout=10)
+    assert code == 130, proc.stderr.read()
 
 
 def test_sigterm_interrupts_like_ctrl_c_with_a_summary(tmp_path):
@@ -149,12 +150,30 @@ def test_sigterm_interrupts_like_ctrl_c_with_a_summary(tmp_path):
         [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), ENDING, "loop", ":", ENDING, "loop"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    _wait_for_line(proc, "before loop")
+    _wait_for_line(proc, "ready")
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "interrupted" in err and "root cause" in err
+
+
+def test_a_job_s_own_signal_handler_runs_instead_of_the_interrupt(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), "--report", str(tmp_path / "r.json"),
+         ENDING, "graceful", ":", ENDING, "loop"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "ready")
+    _wait_for_line(proc, "ready")  # both jobs
+
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    jobs = {j["name"]: j for j in json.loads((tmp_path / "r.json").read_text())["jobs"]}
+    assert (jobs["ending"]["state"], jobs["ending"]["exit_code"]) == ("succeeded", 0)
+    assert f"[ending] saving checkpoint after signal {int(signal.SIGTERM)}" in out
+    assert (jobs["ending-2"]["state"], jobs["ending-2"]["exit_code"]) == ("interrupted", 130)
+    assert proc.returncode == 130
 
 
 def test_no_child_process_outlives_the_run(tmp_path):

@@ -134,7 +134,7 @@ def _unique(base: str, used: set[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from wwrun.launcher import launch
+    from wwrun.launcher import EXIT_INTERRUPTED, launch
     from wwrun.recipe import dump_recipe
 
     args = get_args_parser().parse_args(argv)
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"wwrun: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
+        return EXIT_INTERRUPTED
     if any(t.name.startswith("wwrun:") and t.is_alive() for t in threading.enumerate()):
         # A job ignored the interrupt past its grace period: threads cannot be killed,
         # the process can.

@@ -149,6 +149,29 @@ def run_atexit_handlers(job: JobContext) -> None:
             traceback.print_exc(file=sys.stderr)
 
 
+def deliver_signal(job: JobContext, signum: int) -> None:
+    """Do to the job what `signum` would do to the script run alone.
+
+    Its own handler, if it set one, runs here (Python runs handlers in the main
+    thread, which for a script alone is its own), under the job's identity; an
+    exception the handler raises is raised in the job's thread. Ignored signals are
+    ignored; otherwise the job gets KeyboardInterrupt.
+    """
+    handler = job.signal_handlers.get(signum, signal.SIG_DFL)
+    if handler == signal.SIG_IGN:
+        return
+    if not callable(handler) or handler is signal.default_int_handler:
+        interrupt(job.thread_id, KeyboardInterrupt)
+        return
+    previous, _local.job = current_job(), job
+    try:
+        handler(signum, None)
+    except BaseException as exc:  # noqa: BLE001 - handed on to the job
+        interrupt(job.thread_id, type(exc))
+    finally:
+        _local.job = previous
+
+
 def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
     """Raise `exc` asynchronously in the thread (at its next Python bytecode)."""
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(

@@ -6,8 +6,8 @@ Blueprint, instance and outcome are separate: `JobSpec` (config.py) says what to
 One job's failure never stops the others; the run's exit code is that of the earliest
 failure (the root cause), or 0.
 
-Signals: the first SIGINT/SIGTERM raises KeyboardInterrupt in every running job and
-starts nothing more; jobs then have `grace_period_s` to end. The second ends the
+Signals: the first SIGINT/SIGTERM reaches every running job (its own handler if it
+set one, else KeyboardInterrupt) and starts nothing more; jobs then have `grace_period_s` to end. The second ends the
 process at once with code 130. Child processes the jobs started are ended with the run.
 """
 
@@ -429,7 +429,7 @@ class _Runner:
         for job in self.jobs:
             if job.result.state == JobState.RUNNING and job.context and job.context.thread_id:
                 job.interrupted = True
-                isolation.interrupt(job.context.thread_id, KeyboardInterrupt)
+                isolation.deliver_signal(job.context, signum)
 
     def _end_children(self) -> None:
         """End the processes the jobs started (DataLoader workers, spawned children)."""

@@ -22,17 +22,29 @@ elif how == "os_exit":
     os._exit(5)
 elif how == "loop":
     try:
+        print("ready", flush=True)  # inside the try: an interrupt from now on is caught
         while True:
             time.sleep(0.01)
     except KeyboardInterrupt:
         print("got KeyboardInterrupt", flush=True)
         raise
 elif how == "stubborn":  # ignores the first interrupt
+    ready = False
     while True:
         try:
+            if not ready:
+                print("ready", flush=True)
+                ready = True
             time.sleep(0.01)
         except KeyboardInterrupt:
             print("ignoring KeyboardInterrupt", flush=True)
+elif how == "graceful":  # its own SIGTERM handler: finish the step, then stop
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    print("ready", flush=True)
+    while not stop:
+        time.sleep(0.01)
+    print(f"saving checkpoint after signal {stop[0]}", flush=True)
 elif how == "orphan":  # leaves a child process behind
     import subprocess
 
