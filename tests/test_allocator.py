@@ -216,7 +216,9 @@ def test_empty_cache_returns_free_segments_and_peaks_stay():
 
 # --- property tests against a reference model -------------------------------------
 
-SIZES = [1, 500, 512, 4000, 70000, 300000]
+# 1 MiB requests fill 2 MiB segments exactly, so free space runs out and blocks
+# must flow between streams (rule c) rather than come from a segment's free rest.
+SIZES = [1, 500, 512, 4000, 300000, MiB]
 STREAMS = [A, B, C]
 JOB_OF = {A: "A", B: "B", C: "C"}
 
@@ -323,7 +325,7 @@ class Reference:
         assert self.alloc.stats()["device"]["pending_event_bytes"] == 0
 
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
