@@ -203,6 +203,26 @@ def test_bad_input_gives_clear_errors():
         alloc.alloc(-1, A)
 
 
+def test_small_requests_do_not_carve_large_segments():
+    alloc = two_jobs()
+    big = alloc.alloc(12 * MiB, A)
+    alloc.free(big)
+    small = alloc.alloc(4096, A)
+    assert not (big <= small < big + 12 * MiB)
+    assert alloc.stats()["device"]["segments"]["current"] == 2
+
+
+def test_reset_peak_stats_of_one_job():
+    alloc = two_jobs()
+    alloc.free(alloc.alloc(MiB, A))
+    alloc.free(alloc.alloc(MiB, B))
+    alloc.reset_peak_stats("A")
+    assert alloc.job_stats("A")["allocated_bytes"]["peak"] == 0
+    assert alloc.job_stats("B")["allocated_bytes"]["peak"] == MiB
+    with pytest.raises(ValueError, match="unknown job"):
+        alloc.reset_peak_stats("nobody")
+
+
 def test_empty_cache_returns_free_segments_and_peaks_stay():
     alloc = two_jobs()
     blocks = [alloc.alloc(3 * MiB, A) for _ in range(3)]

@@ -222,7 +222,14 @@ class HostAllocator:
         return self._impl.segments()
 
     def reset_peak_stats(self, job: str | None = None) -> None:
-        self._impl.reset_peak(None if job is None else self._impl.find_job(_check_job(job)))
+        """Peaks back to current figures: one job's, or (None) the device's and every job's."""
+        if job is None:
+            self._impl.reset_peak(None)
+            return
+        job_id = self._impl.find_job(_check_job(job))
+        if job_id is None:
+            raise ValueError(f"unknown job {job!r}")
+        self._impl.reset_peak(job_id)
 
     def benchmark_trace(self, sizes: list[int], window: int, repeats: int, stream: int = 0) -> float:
         """Seconds for `repeats` passes of alloc/free pairs over `sizes`, keeping

@@ -63,12 +63,14 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   Allocation out;
   Lock lock(mutex_);
   const JobId job = job_of_stream_locked(stream);
-  const std::size_t limit = jobs_[job].limit;
-  if (limit != 0 && jobs_[job].allocated_bytes.current + static_cast<std::int64_t>(size) >
-                        static_cast<std::int64_t>(limit)) {
-    out_of_memory(job, bytes, size, "it would exceed the job's memory limit of " +
-                                        format_bytes(static_cast<std::int64_t>(limit)));
-  }
+  auto check_limit = [&] {
+    if (over_limit(job, size)) {
+      out_of_memory(job, bytes, size,
+                    "it would exceed the job's memory limit of " +
+                        format_bytes(static_cast<std::int64_t>(jobs_[job].limit)));
+    }
+  };
+  check_limit();
 
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
@@ -97,7 +99,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       lock.lock();
       reserving_bytes_ -= bytes_of_segment;
       if (base != nullptr) {
-        block = add_segment(base, bytes_of_segment, stream);
+        block = add_segment(base, bytes_of_segment, size <= kSmallRequestBytes, stream);
         out.rule = kRuleD;
         break;
       }
@@ -129,6 +131,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
                       : "the device has no free memory left");
   }
 
+  // The lock may have been released above (d, e, f), and another thread of the
+  // same job (e.g. the autograd thread) may have allocated meanwhile.
+  check_limit();
   out.rule = static_cast<Rule>(std::max<int>(stage, out.rule));
   ++stats_.rule_count[out.rule];
   carve(block, size, bytes, stream, job, out);
@@ -142,9 +147,10 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
 Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,
                                             Allocation& out) {
+  Pool& pool = pool_for(size);
   // a. last used on this stream: stream order makes it safe at once.
-  auto own = pending_.find(stream);
-  if (own != pending_.end()) {
+  auto own = pool.pending.find(stream);
+  if (own != pool.pending.end()) {
     auto it = own->second.by_size.lower_bound(size);
     if (it != own->second.by_size.end()) {
       out.rule = kRuleA;
@@ -153,23 +159,23 @@ Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,
   }
   // b. any block whose event completed.
   process_events_locked();
-  auto it = ready_.lower_bound(size);
-  if (it != ready_.end()) {
+  auto it = pool.ready.lower_bound(size);
+  if (it != pool.ready.end()) {
     out.rule = kRuleB;
     return *it;
   }
   // c. pending on another stream: the oldest event first.
-  Block* block = take_pending_from_other_streams(size, stream);
+  Block* block = take_pending_from_other_streams(pool, size, stream);
   if (block != nullptr) out.rule = kRuleC;
   return block;
 }
 
-Block* MemoryFlowAllocator::take_pending_from_other_streams(std::size_t size,
+Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::size_t size,
                                                             StreamId stream) {
   Block* best = nullptr;
-  for (auto& [other, pool] : pending_) {
+  for (auto& [other, stream_pool] : pool.pending) {
     if (other == stream) continue;
-    for (Block* block = pool.fifo_head; block != nullptr; block = block->fifo_next) {
+    for (Block* block = stream_pool.fifo_head; block != nullptr; block = block->fifo_next) {
       if (block->size < size) continue;
       if (best == nullptr || block->event->serial < best->event->serial) best = block;
       break;  // later blocks of this stream have younger events
@@ -178,8 +184,9 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(std::size_t size,
   return best;
 }
 
-Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, StreamId stream) {
-  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr};
+Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, bool small,
+                                        StreamId stream) {
+  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, small};
   auto* block = new Block;
   block->ptr = segment->base;
   block->size = bytes;
@@ -193,7 +200,7 @@ Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, StreamId 
   stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(bytes);
   // Pending on `stream` behind the zeroing just queued there.
   block->event = new_event(stream);
-  StreamPool& pool = pending_[stream];
+  StreamPool& pool = pool_of(block).pending[stream];
   pool.by_size.insert(block);
   fifo_push_after(pool, pool.fifo_tail, block);
   count_pending(static_cast<std::int64_t>(bytes));
@@ -217,11 +224,11 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
     if (event != nullptr) {  // the rest stays pending behind the same event
       rest->event = event;
       ++event->refs;
-      StreamPool& pool = pending_[block->stream];
+      StreamPool& pool = pool_of(block).pending[block->stream];
       pool.by_size.insert(rest);
       fifo_push_after(pool, block, rest);
     } else {
-      ready_.insert(rest);
+      pool_of(block).ready.insert(rest);
     }
     unlink_free(block);
     block->size = size;
@@ -266,16 +273,25 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
                                             std::chrono::steady_clock::time_point deadline) {
   bool others_will_free = false;
   for (const std::string& name : expected_releases_) {
-    auto other = find_job(name);
+    auto other = find_job_locked(name);
     if (other && *other != job && jobs_[*other].active) others_will_free = true;
   }
   if (!others_will_free) return false;
   const std::uint64_t seen = free_count_;
   ++release_waiters_;
+  const WaitHooks& hooks = options_.wait_hooks;
+  void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =
       freed_cv_.wait_until(lock, deadline, [&] { return free_count_ != seen; });
   --release_waiters_;
+  if (hooks.after) {
+    // Taken back without our lock held: a thread holding what `before` released
+    // (the GIL) may be waiting for our lock.
+    lock.unlock();
+    hooks.after(token);
+    lock.lock();
+  }
   return freed;
 }
 
@@ -311,11 +327,15 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
 // ---------------------------------------------------------------------------
 
 void MemoryFlowAllocator::free(void* ptr) {
-  Lock lock(mutex_);
-  auto it = live_.find(ptr);
-  if (it == live_.end()) {
+  if (!free_if_owned(ptr)) {
     throw std::invalid_argument("wwrun allocator: free of a pointer it did not allocate");
   }
+}
+
+bool MemoryFlowAllocator::free_if_owned(void* ptr) {
+  Lock lock(mutex_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return false;
   Block* block = it->second;
   live_.erase(it);
   const auto bytes = static_cast<std::int64_t>(block->size);
@@ -346,6 +366,7 @@ void MemoryFlowAllocator::free(void* ptr) {
   const bool wake = release_waiters_ > 0;
   lock.unlock();
   if (wake) freed_cv_.notify_all();
+  return true;
 }
 
 void MemoryFlowAllocator::record_stream(void* ptr, StreamId stream) {
@@ -370,13 +391,13 @@ void MemoryFlowAllocator::insert_free(Block* block) {
       merge_into(block, neighbour);
     }
   }
-  StreamPool& pool = pending_[block->stream];
+  StreamPool& pool = pool_of(block).pending[block->stream];
   pool.by_size.insert(block);
   fifo_push_after(pool, pool.fifo_tail, block);
   count_pending(static_cast<std::int64_t>(block->size));
 }
 
-// A block with no pending event absorbs its ready neighbours and joins ready_.
+// A block with no pending event absorbs its ready neighbours and joins the ready set.
 void MemoryFlowAllocator::insert_ready(Block* block) {
   for (Block* neighbour : {block->prev, block->next}) {
     if (neighbour != nullptr && !neighbour->allocated && !neighbour->deferred &&
@@ -384,7 +405,7 @@ void MemoryFlowAllocator::insert_ready(Block* block) {
       merge_into(block, neighbour);
     }
   }
-  ready_.insert(block);
+  pool_of(block).ready.insert(block);
 }
 
 void MemoryFlowAllocator::merge_into(Block* survivor, Block* absorbed) {
@@ -412,11 +433,11 @@ void MemoryFlowAllocator::merge_into(Block* survivor, Block* absorbed) {
 
 void MemoryFlowAllocator::unlink_free(Block* block) {
   if (block->event != nullptr) {
-    StreamPool& pool = pending_[block->stream];
+    StreamPool& pool = pool_of(block).pending[block->stream];
     pool.by_size.erase(block);
     fifo_remove(pool, block);
   } else {
-    ready_.erase(block);
+    pool_of(block).ready.erase(block);
   }
 }
 
@@ -455,16 +476,18 @@ void MemoryFlowAllocator::process_events() {
 }
 
 void MemoryFlowAllocator::process_events_locked() {
-  for (auto& [stream, pool] : pending_) {
-    // Events on one stream complete in the order they were recorded.
-    while (pool.fifo_head != nullptr && is_complete(pool.fifo_head->event)) {
-      Block* block = pool.fifo_head;
-      pool.by_size.erase(block);
-      fifo_remove(pool, block);
-      count_pending(-static_cast<std::int64_t>(block->size));
-      unref(block->event);
-      block->event = nullptr;
-      insert_ready(block);
+  for (Pool& kind : pools_) {
+    for (auto& [stream, pool] : kind.pending) {
+      // Events on one stream complete in the order they were recorded.
+      while (pool.fifo_head != nullptr && is_complete(pool.fifo_head->event)) {
+        Block* block = pool.fifo_head;
+        pool.by_size.erase(block);
+        fifo_remove(pool, block);
+        count_pending(-static_cast<std::int64_t>(block->size));
+        unref(block->event);
+        block->event = nullptr;
+        insert_ready(block);
+      }
     }
   }
   poll_deferred();
@@ -572,10 +595,7 @@ std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
 JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& name,
                                            std::size_t limit) {
   Lock lock(mutex_);
-  JobId job = static_cast<JobId>(jobs_.size());
-  for (JobId i = 0; i < static_cast<JobId>(jobs_.size()); ++i) {
-    if (jobs_[i].name == name) job = i;
-  }
+  JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
   if (job == static_cast<JobId>(jobs_.size())) {
     JobStats stats;
     stats.name = name;
@@ -589,7 +609,7 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
 
 bool MemoryFlowAllocator::unregister_job(const std::string& name) {
   Lock lock(mutex_);
-  auto job = find_job(name);
+  auto job = find_job_locked(name);
   if (!job || *job == kDefaultJob) return false;
   jobs_[*job].active = false;
   for (auto it = stream_jobs_.begin(); it != stream_jobs_.end();) {
@@ -609,6 +629,16 @@ JobId MemoryFlowAllocator::job_of_stream_locked(StreamId stream) const {
 }
 
 std::optional<JobId> MemoryFlowAllocator::find_job(const std::string& name) const {
+  Lock lock(mutex_);
+  return find_job_locked(name);
+}
+
+bool MemoryFlowAllocator::over_limit(JobId job, std::size_t size) const {
+  const std::size_t limit = jobs_[job].limit;
+  return limit != 0 && static_cast<std::size_t>(jobs_[job].allocated_bytes.current) + size > limit;
+}
+
+std::optional<JobId> MemoryFlowAllocator::find_job_locked(const std::string& name) const {
   for (JobId i = 0; i < static_cast<JobId>(jobs_.size()); ++i) {
     if (jobs_[i].name == name) return i;
   }
@@ -635,9 +665,12 @@ Snapshot MemoryFlowAllocator::snapshot() const {
 
 std::size_t MemoryFlowAllocator::largest_free_block() const {
   Lock lock(mutex_);
-  std::size_t largest = ready_.empty() ? 0 : (*ready_.rbegin())->size;
-  for (const auto& [stream, pool] : pending_) {
-    if (!pool.by_size.empty()) largest = std::max(largest, (*pool.by_size.rbegin())->size);
+  std::size_t largest = 0;
+  for (const Pool& kind : pools_) {
+    if (!kind.ready.empty()) largest = std::max(largest, (*kind.ready.rbegin())->size);
+    for (const auto& [stream, pool] : kind.pending) {
+      if (!pool.by_size.empty()) largest = std::max(largest, (*pool.by_size.rbegin())->size);
+    }
   }
   return largest;
 }

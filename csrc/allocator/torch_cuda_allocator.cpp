@@ -11,6 +11,8 @@
 // Reference: c10/cuda/CUDACachingAllocator.h of the installed torch; the
 // interface changes between versions, so differences are guarded with
 // WWRUN_TORCH_AT_LEAST (only 2.13 has been compiled against).
+#include <Python.h>
+
 #include "torch_cuda_allocator.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -20,6 +22,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -58,18 +62,41 @@ c10::CachingDeviceAllocator::StatArray stat_array(const Stat& stat) {
   return array;
 }
 
+// Rule f waits for other jobs' frees; a job thread that waits while holding
+// Python's GIL would stop those jobs, so the GIL is released for the wait.
+WaitHooks gil_release_hooks() {
+  WaitHooks hooks;
+  hooks.before = []() -> void* {
+    if (Py_IsInitialized() && PyGILState_Check()) return PyEval_SaveThread();
+    return nullptr;
+  };
+  hooks.after = [](void* state) {
+    if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
+  };
+  return hooks;
+}
+
+constexpr int kMaxDevices = 64;  // as c10's C10_COMPILE_TIME_MAX_GPUS
+
 class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
  public:
+  // One allocator core per device, created at first use and never destroyed,
+  // so the free path can read the table without a lock.
   MemoryFlowAllocator& core(DeviceIndex device) {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "wwrun allocator: invalid CUDA device ",
+                static_cast<int>(device));
+    MemoryFlowAllocator* existing = cores_[device].load(std::memory_order_acquire);
+    if (existing != nullptr) return *existing;
     std::lock_guard<std::mutex> lock(cores_mutex_);
-    TORCH_CHECK(device >= 0, "wwrun allocator: invalid CUDA device ", static_cast<int>(device));
-    if (static_cast<std::size_t>(device) >= cores_.size()) cores_.resize(device + 1);
-    if (!cores_[device]) {
-      backends_.resize(cores_.size());
-      backends_[device] = std::make_unique<CudaBackend>(device);
-      cores_[device] = std::make_unique<MemoryFlowAllocator>(*backends_[device]);
+    existing = cores_[device].load(std::memory_order_acquire);
+    if (existing == nullptr) {
+      auto* backend = new CudaBackend(device);
+      Options options;
+      options.wait_hooks = gil_release_hooks();
+      existing = new MemoryFlowAllocator(*backend, options);
+      cores_[device].store(existing, std::memory_order_release);
     }
-    return *cores_[device];
+    return *existing;
   }
 
   void* allocate_on(DeviceIndex device, std::size_t bytes, cudaStream_t stream) {
@@ -88,13 +115,18 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
 
   void free_ptr(void* ptr) {
     if (ptr == nullptr) return;
-    for (std::size_t device = 0; device < cores_.size(); ++device) {
-      if (cores_[device] && cores_[device]->segment_base(ptr, nullptr) != nullptr) {
-        cores_[device]->free(ptr);
-        return;
-      }
+    for (auto& slot : cores_) {
+      MemoryFlowAllocator* core = slot.load(std::memory_order_acquire);
+      if (core != nullptr && core->free_if_owned(ptr)) return;
     }
     TORCH_CHECK(false, "wwrun allocator: free of a pointer it did not allocate");
+  }
+
+  template <typename Fn>
+  void for_each_core(Fn fn) {
+    for (auto& slot : cores_) {
+      if (MemoryFlowAllocator* core = slot.load(std::memory_order_acquire)) fn(*core);
+    }
   }
 
   // The job whose figures the calling thread sees, from its current stream.
@@ -121,12 +153,11 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   // c10::DeviceAllocator
   bool initialized() override { return initialized_; }
   void emptyCache(MempoolId_t /*mempool_id*/) override {
-    for (auto& core : cores_) {
-      if (core) core->release_free_segments();
-    }
+    for_each_core([](MemoryFlowAllocator& core) { core.release_free_segments(); });
   }
   void recordStream(const DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    if (ptr.get() == nullptr) return;
+    // Memory not from us (from_blob, another allocator) is not ours to track.
+    if (ptr.get() == nullptr || ptr.get_deleter() != &delete_ptr) return;
     core(stream.device_index())
         .record_stream(ptr.get(), reinterpret_cast<StreamId>(stream.stream()));
   }
@@ -176,8 +207,8 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   }
   void raw_delete(void* ptr) override { free_ptr(ptr); }
   void init(int device_count) override {
-    std::lock_guard<std::mutex> lock(cores_mutex_);
-    if (cores_.size() < static_cast<std::size_t>(device_count)) cores_.resize(device_count);
+    TORCH_CHECK(device_count <= kMaxDevices, "wwrun allocator: more than ", kMaxDevices,
+                " devices");
     initialized_ = true;
   }
   double getMemoryFraction(DeviceIndex device) override {
@@ -205,11 +236,12 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     *largest_block = std::max(largest, device_free);
   }
   void* getBaseAllocation(void* ptr, std::size_t* size) override {
-    for (auto& core : cores_) {
-      if (!core) continue;
-      if (void* base = core->segment_base(ptr, size)) return base;
-    }
-    TORCH_CHECK(false, "wwrun allocator: pointer not allocated by it");
+    void* base = nullptr;
+    for_each_core([&](MemoryFlowAllocator& core) {
+      if (base == nullptr) base = core.segment_base(ptr, size);
+    });
+    TORCH_CHECK(base != nullptr, "wwrun allocator: pointer not allocated by it");
+    return base;
   }
   c10alloc::SnapshotInfo snapshot(MempoolId_t /*mempool_id*/, bool /*include_traces*/) override {
     // Segment-level snapshots are not exported yet; see wwrun.allocator.stats().
@@ -275,9 +307,8 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     return std::string("wwrun allocator: ") + what + " are not supported";
   }
 
-  std::mutex cores_mutex_;  // guards growth of cores_ only
-  std::vector<std::unique_ptr<CudaBackend>> backends_;
-  std::vector<std::unique_ptr<MemoryFlowAllocator>> cores_;
+  std::mutex cores_mutex_;  // serialises creating a core
+  std::array<std::atomic<MemoryFlowAllocator*>, kMaxDevices> cores_{};
   std::atomic<bool> initialized_{false};
   bool enabled_ = true;
   std::vector<c10alloc::OutOfMemoryObserver> oom_observers_;

@@ -10,7 +10,9 @@
 // Policy
 // ---------------------------------------------------------------------------
 // Blocks come from device segments, rounded into size classes, found best-fit,
-// split and coalesced. A freed block remembers its stream, the job it belonged
+// split and coalesced. Small requests (<= 1 MiB) and large ones use separate
+// segments and pools, as in c10, so long-lived small tensors do not pin large
+// segments. A freed block remembers its stream, the job it belonged
 // to, and an event recorded at free time on that stream. An allocation of size n
 // on stream S takes, in priority order:
 //   a. a free block last used on S (stream order makes it safe at once);
@@ -60,6 +62,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -128,6 +131,7 @@ struct Segment {
   char* base = nullptr;
   std::size_t size = 0;
   Block* head = nullptr;
+  bool small = false;  // serves requests <= kSmallRequestBytes only
 };
 
 // Best-fit order; lower_bound(n) with a size finds the smallest block >= n.
@@ -147,6 +151,12 @@ struct StreamPool {
   BlockSet by_size;
   Block* fifo_head = nullptr;
   Block* fifo_tail = nullptr;
+};
+
+// All free blocks of one size kind (small or large).
+struct Pool {
+  std::unordered_map<StreamId, StreamPool> pending;  // by the stream last used on
+  BlockSet ready;
 };
 
 struct JobStats {
@@ -204,9 +214,18 @@ struct Allocation {
   bool waited = false;     // the stream was made to wait on another stream's event
 };
 
+// Called around rule f's wait: `before` under the allocator lock, returning a
+// token; `after` with the lock released. The CUDA build releases Python's GIL
+// here, or the jobs whose frees we wait for could not run.
+struct WaitHooks {
+  std::function<void*()> before;
+  std::function<void(void*)> after;
+};
+
 struct Options {
   std::size_t reserved_limit = 0;  // bytes of segments the allocator may hold; 0: none
   double release_wait_s = 2.0;     // rule f's bound
+  WaitHooks wait_hooks;
 };
 
 class MemoryFlowAllocator {
@@ -220,6 +239,8 @@ class MemoryFlowAllocator {
   Allocation allocate(std::size_t bytes, StreamId stream);
   // Throws std::invalid_argument for a pointer this allocator does not own.
   void free(void* ptr);
+  // False (and nothing done) for a pointer this allocator does not own.
+  bool free_if_owned(void* ptr);
   // The block at `ptr` is also used on `stream`: it is not reused until the
   // work queued there before its free completes (Tensor.record_stream).
   void record_stream(void* ptr, StreamId stream);
@@ -254,8 +275,12 @@ class MemoryFlowAllocator {
   using Lock = std::unique_lock<std::mutex>;
 
   Block* take_free_block(std::size_t size, StreamId stream, Allocation& out);
-  Block* take_pending_from_other_streams(std::size_t size, StreamId stream);
-  Block* add_segment(void* base, std::size_t bytes, StreamId stream);
+  Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
+  Block* add_segment(void* base, std::size_t bytes, bool small, StreamId stream);
+  Pool& pool_of(const Block* block) { return pools_[block->segment->small ? 0 : 1]; }
+  Pool& pool_for(std::size_t size) { return pools_[size <= kSmallRequestBytes ? 0 : 1]; }
+  bool over_limit(JobId job, std::size_t size) const;
+  std::optional<JobId> find_job_locked(const std::string& name) const;
   Block* carve(Block* block, std::size_t size, std::size_t requested, StreamId stream,
                JobId job, Allocation& out);
   void process_events_locked();
@@ -288,8 +313,7 @@ class MemoryFlowAllocator {
 
   std::map<char*, Segment*> segments_;  // by base address
   std::unordered_map<void*, Block*> live_;
-  std::unordered_map<StreamId, StreamPool> pending_;
-  BlockSet ready_;
+  Pool pools_[2];  // small, large
   std::vector<Block*> deferred_;
   std::vector<EventRef*> event_pool_;
   std::uint64_t event_serial_ = 0;
