@@ -276,10 +276,10 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
     auto other = find_job_locked(name);
     if (other && *other != job && jobs_[*other].active) others_will_free = true;
   }
-  if (!others_will_free) return false;
+  const WaitHooks& hooks = options_.wait_hooks;
+  if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
   const std::uint64_t seen = free_count_;
   ++release_waiters_;
-  const WaitHooks& hooks = options_.wait_hooks;
   void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =

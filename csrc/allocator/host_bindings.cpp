@@ -5,6 +5,7 @@
 
 #include "bindings_common.h"
 #include "host_backend.h"
+#include "python_wait_hooks.h"
 
 namespace wwrun::alloc {
 
@@ -12,7 +13,7 @@ namespace wwrun::alloc {
 class HostAllocator {
  public:
   HostAllocator(std::size_t capacity, std::size_t reserved_limit)
-      : backend_(capacity), allocator_(backend_, Options{reserved_limit, 2.0}) {}
+      : backend_(capacity), allocator_(backend_, Options{reserved_limit, 2.0, python_wait_hooks()}) {}
 
   HostBackend& backend() { return backend_; }
   MemoryFlowAllocator& allocator() { return allocator_; }
@@ -60,11 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("reserved_limit") = 0)
       .def("allocate",
            [](HostAllocator& self, std::size_t bytes, StreamId stream) {
-             Allocation a;
-             {
-               py::gil_scoped_release released;
-               a = self.allocator().allocate(bytes, stream);
-             }
+             // Called with the GIL held, as PyTorch calls its allocator from
+             // forward code; rule f's hooks release it for a wait.
+             Allocation a = self.allocator().allocate(bytes, stream);
              return py::make_tuple(reinterpret_cast<std::uintptr_t>(a.ptr), a.size,
                                    std::string(1, wwrun::alloc::kRuleNames[a.rule]),
                                    a.zeroed, a.waited);

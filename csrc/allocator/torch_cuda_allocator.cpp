@@ -11,8 +11,6 @@
 // Reference: c10/cuda/CUDACachingAllocator.h of the installed torch; the
 // interface changes between versions, so differences are guarded with
 // WWRUN_TORCH_AT_LEAST (only 2.13 has been compiled against).
-#include <Python.h>
-
 #include "torch_cuda_allocator.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -28,6 +26,7 @@
 #include <mutex>
 
 #include "cuda_backend.h"
+#include "python_wait_hooks.h"
 
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
@@ -62,20 +61,6 @@ c10::CachingDeviceAllocator::StatArray stat_array(const Stat& stat) {
   return array;
 }
 
-// Rule f waits for other jobs' frees; a job thread that waits while holding
-// Python's GIL would stop those jobs, so the GIL is released for the wait.
-WaitHooks gil_release_hooks() {
-  WaitHooks hooks;
-  hooks.before = []() -> void* {
-    if (Py_IsInitialized() && PyGILState_Check()) return PyEval_SaveThread();
-    return nullptr;
-  };
-  hooks.after = [](void* state) {
-    if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
-  };
-  return hooks;
-}
-
 constexpr int kMaxDevices = 64;  // as c10's C10_COMPILE_TIME_MAX_GPUS
 
 class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
@@ -92,7 +77,7 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     if (existing == nullptr) {
       auto* backend = new CudaBackend(device);
       Options options;
-      options.wait_hooks = gil_release_hooks();
+      options.wait_hooks = python_wait_hooks();
       existing = new MemoryFlowAllocator(*backend, options);
       cores_[device].store(existing, std::memory_order_release);
     }

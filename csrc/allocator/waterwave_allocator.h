@@ -214,10 +214,14 @@ struct Allocation {
   bool waited = false;     // the stream was made to wait on another stream's event
 };
 
-// Called around rule f's wait: `before` under the allocator lock, returning a
-// token; `after` with the lock released. The CUDA build releases Python's GIL
-// here, or the jobs whose frees we wait for could not run.
+// Rule f's hooks into the host. `may_wait` says whether the calling thread may
+// wait at all (unset: yes); `before` runs under the allocator lock and returns a
+// token, `after` gets it back with the lock released. The CUDA build waits only
+// on threads holding Python's GIL (job threads; never the shared autograd
+// thread, whose stall would stop every job's backward) and releases the GIL for
+// the wait, or the jobs whose frees it waits for could not run.
 struct WaitHooks {
+  std::function<bool()> may_wait;
   std::function<void*()> before;
   std::function<void(void*)> after;
 };
