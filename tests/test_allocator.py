@@ -137,6 +137,21 @@ def test_rule_f_is_bounded_and_skipped_without_expected_releases():
     assert time.monotonic() - start < 1.0
 
 
+def test_rule_d_falls_back_to_the_tightest_segment():
+    alloc = two_jobs(capacity=12 * MiB)
+    got = alloc.alloc_traced(6 * MiB, A)  # usually a 20 MiB segment: more than the device has
+    assert got.rule == "d"
+    assert alloc.stats()["device"]["reserved_bytes"]["current"] == 6 * MiB
+
+
+def test_reserved_limit_caps_the_device_and_names_itself():
+    alloc = two_jobs(reserved_limit=8 * MiB)
+    alloc.alloc(6 * MiB, A)
+    with pytest.raises(torch.OutOfMemoryError, match="device memory limit of 8.00 MiB"):
+        alloc.alloc(4 * MiB, B)
+    alloc.alloc(MiB, B)  # a 2 MiB small segment still fits
+
+
 def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     alloc = two_jobs(capacity=24 * MiB)
     alloc.alloc(6 * MiB, A)  # a 20 MiB segment

@@ -79,30 +79,21 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     block = take_free_block(size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
 
-    // d. a new segment, obtained with the lock released (the call can block).
-    const std::size_t bytes_of_segment = segment_size(size);
-    const std::size_t reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-    if (options_.reserved_limit == 0 ||
-        reserved + reserving_bytes_ + bytes_of_segment <= options_.reserved_limit) {
-      reserving_bytes_ += bytes_of_segment;
-      lock.unlock();
-      void* base = nullptr;
-      try {
-        base = backend_.segment_alloc(bytes_of_segment);
-        // Fresh device memory may hold what another job freed to the driver.
-        if (base != nullptr) backend_.memset_zero(base, bytes_of_segment, stream);
-      } catch (...) {
-        lock.lock();
-        reserving_bytes_ -= bytes_of_segment;
-        throw;
+    // d. a new segment, the usual size first, then the tightest one.
+    const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
+    for (std::size_t bytes_of_segment : {usual, tight}) {
+      if (within_reserved_limit(bytes_of_segment)) {
+        void* base = obtain_segment(lock, bytes_of_segment, stream);
+        if (base != nullptr) {
+          block = add_segment(base, bytes_of_segment, size <= kSmallRequestBytes, stream);
+          break;
+        }
       }
-      lock.lock();
-      reserving_bytes_ -= bytes_of_segment;
-      if (base != nullptr) {
-        block = add_segment(base, bytes_of_segment, size <= kSmallRequestBytes, stream);
-        out.rule = kRuleD;
-        break;
-      }
+      if (tight == usual) break;
+    }
+    if (block != nullptr) {
+      out.rule = kRuleD;
+      break;
     }
 
     // e. release wholly free segments, then retry from a.
@@ -122,13 +113,12 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     if (wait_for_releases(lock, job, deadline)) continue;
 
     // g.
-    const std::size_t reserved_limit = options_.reserved_limit;
     out_of_memory(job, bytes, size,
-                  reserved_limit != 0 && reserved + bytes_of_segment > reserved_limit
-                      ? "the device memory limit of " +
-                            format_bytes(static_cast<std::int64_t>(reserved_limit)) +
-                            " is reached"
-                      : "the device has no free memory left");
+                  within_reserved_limit(tight)
+                      ? "the device has no free memory left"
+                      : "the device memory limit of " +
+                            format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) +
+                            " is reached");
   }
 
   // The lock may have been released above (d, e, f), and another thread of the
@@ -143,6 +133,33 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   // Triton zero_ranges_ kernel, would collect these ranges instead.)
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
   return out;
+}
+
+bool MemoryFlowAllocator::within_reserved_limit(std::size_t segment_bytes) const {
+  return options_.reserved_limit == 0 ||
+         static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_ +
+                 segment_bytes <=
+             options_.reserved_limit;
+}
+
+// Device memory for a new segment, zeroed on `stream`: fresh memory may hold what
+// another job freed to the driver. Obtained with the lock released, since the
+// call can block (Note [Locking]); nullptr when the device has none.
+void* MemoryFlowAllocator::obtain_segment(Lock& lock, std::size_t bytes, StreamId stream) {
+  reserving_bytes_ += bytes;
+  lock.unlock();
+  void* base = nullptr;
+  try {
+    base = backend_.segment_alloc(bytes);
+    if (base != nullptr) backend_.memset_zero(base, bytes, stream);
+  } catch (...) {
+    lock.lock();
+    reserving_bytes_ -= bytes;
+    throw;
+  }
+  lock.lock();
+  reserving_bytes_ -= bytes;
+  return base;
 }
 
 Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,

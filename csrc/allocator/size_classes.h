@@ -27,6 +27,14 @@ inline std::size_t segment_size(std::size_t rounded) {
          kLargeSegmentRoundBytes;
 }
 
+// The smallest segment for a request, tried when the usual one does not fit
+// under the device's limit or in its free memory.
+inline std::size_t tight_segment_size(std::size_t rounded) {
+  if (rounded <= kSmallRequestBytes) return kSmallSegmentBytes;
+  return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
+         kLargeSegmentRoundBytes;
+}
+
 // A block larger than the request is split when the remainder is worth keeping:
 // any remainder for small requests, more than a small request for large ones
 // (so large blocks are not shredded into slivers; c10 does the same).

@@ -284,6 +284,8 @@ class MemoryFlowAllocator {
   Pool& pool_of(const Block* block) { return pools_[block->segment->small ? 0 : 1]; }
   Pool& pool_for(std::size_t size) { return pools_[size <= kSmallRequestBytes ? 0 : 1]; }
   bool over_limit(JobId job, std::size_t size) const;
+  bool within_reserved_limit(std::size_t segment_bytes) const;
+  void* obtain_segment(Lock& lock, std::size_t bytes, StreamId stream);
   std::optional<JobId> find_job_locked(const std::string& name) const;
   Block* carve(Block* block, std::size_t size, std::size_t requested, StreamId stream,
                JobId job, Allocation& out);
