@@ -60,12 +60,13 @@ def test_rule_c_makes_the_stream_wait_on_the_pending_event():
     alloc = two_jobs()
     block = alloc.alloc(1 * MiB, A)
     alloc.hold(A)
+    before_free = alloc.last_event(A)
     alloc.free(block)
-    freed_at = alloc.last_event(A)
     assert alloc.stats()["device"]["pending_event_bytes"] >= 1 * MiB
     got = alloc.alloc_traced(1 * MiB, B)
     assert (got.ptr, got.rule, got.waited, got.zeroed) == (block, "c", True, True)
-    assert (B, A, freed_at) in alloc.waits()
+    [(waiting, on, seq)] = alloc.waits()
+    assert (waiting, on) == (B, A) and seq > before_free  # an event recorded after the free
 
 
 def test_rule_c_takes_the_oldest_pending_event_first():
@@ -227,6 +228,22 @@ def test_small_requests_do_not_carve_large_segments():
     assert alloc.stats()["device"]["segments"]["current"] == 2
 
 
+def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
+    alloc = two_jobs()
+    for _ in range(10):
+        alloc.free(alloc.alloc(4096, A))
+    fresh_segment_events = alloc.last_event(A)
+    assert fresh_segment_events == 1  # only the zeroing of the new segment
+    alloc.hold(A)
+    alloc.free(alloc.alloc(MiB, A))
+    got = alloc.alloc_traced(MiB, B)  # the shared event is recorded now, on A, and is pending
+    assert got.rule == "c" and got.waited
+    assert alloc.last_event(A) == fresh_segment_events + 1
+    alloc.complete(A)
+    alloc.free(alloc.alloc(4096, A))
+    assert alloc.last_event(A) == fresh_segment_events + 2  # from now on, one event per free
+
+
 def test_reset_peak_stats_of_one_job():
     alloc = two_jobs()
     alloc.free(alloc.alloc(MiB, A))
@@ -270,19 +287,19 @@ operations = st.lists(
 
 class Reference:
     """What must hold, tracked per 512-byte granule: who last owned it, and on
-    which stream and behind which event it was last freed."""
+    which stream it was last freed, with the first event sequence number
+    recorded there after the free (any event recorded later covers the free;
+    the simulated device says which have completed)."""
 
     def __init__(self, alloc, job_of):
         self.alloc = alloc
         self.job_of = job_of
         self.live = {}  # ptr -> (size, stream)
-        self.granules = {}  # address -> (owner job, stream freed on, event seq)
-        self.held = set()
-        self.completed = {}  # stream -> seq completed so far
+        self.granules = {}  # address -> (owner job, stream freed on, covering event seq)
         self.peaks = {}
 
     def event_done(self, stream, seq):
-        return self.completed.get(stream, 0) >= seq
+        return self.alloc.completed_event(stream) >= seq
 
     def do_alloc(self, stream, nbytes):
         waits_before = len(self.alloc.waits())
@@ -312,21 +329,16 @@ class Reference:
             return
         ptr = sorted(self.live)[index % len(self.live)]
         size, stream = self.live.pop(ptr)
+        seq = self.alloc.last_event(stream) + 1
         self.alloc.free(ptr)
-        seq = self.alloc.last_event(stream)
-        if stream not in self.held:
-            self.completed[stream] = seq
         for address in range(ptr, ptr + size, ALIGN):
             self.granules[address] = (self.job_of[stream], stream, seq)
 
     def do_hold(self, stream):
         self.alloc.hold(stream)
-        self.held.add(stream)
 
     def do_complete(self, stream):
         self.alloc.complete(stream)
-        self.held.discard(stream)
-        self.completed[stream] = self.alloc.last_event(stream)
 
     def check_stats(self):
         stats = self.alloc.stats()

@@ -191,6 +191,10 @@ class HostAllocator:
         """Sequence number of the last event recorded on `stream` (0: none)."""
         return self._impl.last_seq(stream)
 
+    def completed_event(self, stream: int) -> int:
+        """Sequence number up to which `stream`'s events have completed."""
+        return self._impl.completed_seq(stream)
+
     def waits(self) -> list[tuple[int, int, int]]:
         """Device-side waits issued: (waiting stream, event's stream, event's sequence)."""
         return self._impl.waits()

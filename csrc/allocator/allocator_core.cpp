@@ -62,6 +62,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   if (size < bytes) throw std::invalid_argument("allocation size overflows");
   Allocation out;
   Lock lock(mutex_);
+  note_stream(stream);
   const JobId job = job_of_stream_locked(stream);
   auto check_limit = [&] {
     if (over_limit(job, size)) {
@@ -254,6 +255,7 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   }
   if (event != nullptr) {
     count_pending(-static_cast<std::int64_t>(block->size));
+    if (block->stream != stream && !event->recorded) record_lazy_events();
     if (block->stream != stream && !event->complete) {
       backend_.stream_wait_event(stream, event->handle);
       out.waited = true;
@@ -367,7 +369,7 @@ bool MemoryFlowAllocator::free_if_owned(void* ptr) {
   block->allocated = false;
 
   if (block->extra_streams.empty()) {
-    block->event = new_event(block->stream);
+    block->event = free_event(block->stream);
     insert_free(block);
   } else {
     block->deferred = true;
@@ -394,6 +396,7 @@ void MemoryFlowAllocator::record_stream(void* ptr, StreamId stream) {
   }
   Block* block = it->second;
   if (stream == block->stream) return;
+  note_stream(stream);
   auto& extra = block->extra_streams;
   if (std::find(extra.begin(), extra.end(), stream) == extra.end()) extra.push_back(stream);
 }
@@ -489,6 +492,7 @@ void MemoryFlowAllocator::fifo_remove(StreamPool& pool, Block* block) {
 
 void MemoryFlowAllocator::process_events() {
   Lock lock(mutex_);
+  record_lazy_events();
   process_events_locked();
 }
 
@@ -542,15 +546,60 @@ EventRef* MemoryFlowAllocator::new_event(StreamId stream) {
   event->stream = stream;
   event->serial = ++event_serial_;
   event->refs = 1;
+  event->recorded = true;
   event->complete = false;
   return event;
 }
 
+// A free's event: its own, recorded now, once several streams are in use;
+// before that, the stream's shared lazy one (Note [Lazy events]).
+EventRef* MemoryFlowAllocator::free_event(StreamId stream) {
+  if (eager_events_) return new_event(stream);
+  EventRef*& lazy = lazy_events_[stream];
+  if (lazy == nullptr) {
+    if (event_pool_.empty()) {
+      lazy = new EventRef;
+      lazy->handle = backend_.event_create();
+    } else {
+      lazy = event_pool_.back();
+      event_pool_.pop_back();
+    }
+    lazy->stream = stream;
+    lazy->refs = 0;
+    lazy->recorded = false;
+    lazy->complete = false;
+  }
+  ++lazy->refs;
+  return lazy;
+}
+
+void MemoryFlowAllocator::note_stream(StreamId stream) {
+  if (eager_events_) return;
+  if (!only_stream_) {
+    only_stream_ = stream;
+  } else if (*only_stream_ != stream) {
+    eager_events_ = true;
+    record_lazy_events();
+  }
+}
+
+void MemoryFlowAllocator::record_lazy_events() {
+  for (auto& [stream, event] : lazy_events_) {
+    backend_.event_record(event->handle, stream);
+    event->serial = ++event_serial_;
+    event->recorded = true;
+  }
+  lazy_events_.clear();
+}
+
 void MemoryFlowAllocator::unref(EventRef* event) {
-  if (--event->refs == 0) event_pool_.push_back(event);
+  if (--event->refs > 0) return;
+  if (!event->recorded) lazy_events_.erase(event->stream);
+  event_pool_.push_back(event);
 }
 
 bool MemoryFlowAllocator::is_complete(EventRef* event) {
+  if (!event->recorded) return false;
   if (!event->complete && backend_.event_query(event->handle)) event->complete = true;
   return event->complete;
 }
@@ -569,6 +618,7 @@ std::size_t MemoryFlowAllocator::release_free_segments() {
 }
 
 std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
+  record_lazy_events();  // a victim's event must exist before it can be waited on
   process_events_locked();
   std::vector<Block*> victims;
   for (auto& [base, segment] : segments_) {

@@ -81,6 +81,11 @@ std::uint64_t HostBackend::last_seq(StreamId stream) {
   return streams_[stream].recorded;
 }
 
+std::uint64_t HostBackend::completed_seq(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return streams_[stream].completed;
+}
+
 std::vector<WaitRecord> HostBackend::waits() {
   std::lock_guard<std::mutex> lock(mutex_);
   return waits_;

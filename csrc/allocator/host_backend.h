@@ -45,6 +45,7 @@ class HostBackend : public Backend {
   void hold(StreamId stream);
   void complete(StreamId stream);  // completes its events so far and releases the hold
   std::uint64_t last_seq(StreamId stream);
+  std::uint64_t completed_seq(StreamId stream);
   std::vector<WaitRecord> waits();
   std::size_t used_bytes();
   std::size_t capacity() const { return capacity_; }

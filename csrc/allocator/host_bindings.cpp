@@ -112,6 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("hold", [](HostAllocator& self, StreamId s) { self.backend().hold(s); })
       .def("complete", [](HostAllocator& self, StreamId s) { self.backend().complete(s); })
       .def("last_seq", [](HostAllocator& self, StreamId s) { return self.backend().last_seq(s); })
+      .def("completed_seq",
+           [](HostAllocator& self, StreamId s) { return self.backend().completed_seq(s); })
       .def("waits", [](HostAllocator& self) { return self.backend().waits(); })
       .def("backend_used_bytes", [](HostAllocator& self) { return self.backend().used_bytes(); })
       .def("write",

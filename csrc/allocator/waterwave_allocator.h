@@ -53,6 +53,14 @@
 // zeroed memory, or kMixed after coalescing blocks of different jobs. Mixed blocks
 // are zeroed for every job: conservative, never leaking.
 //
+// Note [Lazy events]: while the allocator has seen a single stream, no other
+// stream can take a freed block, so frees share one event that is recorded only
+// when it is needed: when a second stream first allocates (or record_stream
+// names one), or before rule e waits on it. Recording later than the free is
+// safe (the event then covers more work); it only takes event recording off a
+// single job's hot path. From the second stream on, every free records its own
+// event, as the policy says.
+//
 // Note [Locking]: one mutex per allocator. It is never held across a call that
 // can block (segment_alloc/free, event_synchronize, memset of host memory), nor
 // while waiting for other jobs' frees (rule f waits on a condition variable).
@@ -98,6 +106,7 @@ struct EventRef {
   StreamId stream = 0;
   std::uint64_t serial = 0;  // global record order: smaller is older (rule c)
   int refs = 0;
+  bool recorded = false;  // false: shared by frees on one stream, see Note [Lazy events]
   bool complete = false;  // cached once the backend said so
 };
 
@@ -260,7 +269,8 @@ class MemoryFlowAllocator {
   // Rule f: jobs expected to free memory soon. An empty list disables rule f.
   void set_expected_releases(const std::vector<std::string>& jobs, double wait_s);
 
-  // Moves free blocks whose events completed to the ready pool.
+  // Records lazily held events (Note [Lazy events]), then moves free blocks
+  // whose events completed to the ready pool.
   void process_events();
   // Rule e on demand (empty_cache): releases wholly free segments. Returns bytes.
   std::size_t release_free_segments();
@@ -305,6 +315,9 @@ class MemoryFlowAllocator {
   void poll_deferred();
 
   EventRef* new_event(StreamId stream);
+  EventRef* free_event(StreamId stream);
+  void note_stream(StreamId stream);
+  void record_lazy_events();
   void unref(EventRef* event);
   bool is_complete(EventRef* event);
   void count_pending(std::int64_t delta);
@@ -322,6 +335,9 @@ class MemoryFlowAllocator {
   Pool pools_[2];  // small, large
   std::vector<Block*> deferred_;
   std::vector<EventRef*> event_pool_;
+  std::optional<StreamId> only_stream_;  // the single stream seen so far
+  bool eager_events_ = false;            // a second stream was seen
+  std::unordered_map<StreamId, EventRef*> lazy_events_;  // not yet recorded
   std::uint64_t event_serial_ = 0;
   std::size_t reserving_bytes_ = 0;  // segments being obtained with the lock released
 
