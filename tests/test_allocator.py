@@ -270,7 +270,8 @@ def test_empty_cache_returns_free_segments_and_peaks_stay():
 
 # 1 MiB requests fill 2 MiB segments exactly, so free space runs out and blocks
 # must flow between streams (rule c) rather than come from a segment's free rest.
-SIZES = [1, 500, 512, 4000, 300000, MiB]
+# 2 MiB + 1 uses the large pool, whose misses poll the small pool's events too.
+SIZES = [1, 500, 512, 4000, 300000, MiB, 2 * MiB + 1]
 STREAMS = [A, B, C]
 JOB_OF = {A: "A", B: "B", C: "C"}
 

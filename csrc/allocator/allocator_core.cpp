@@ -255,7 +255,8 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   }
   if (event != nullptr) {
     count_pending(-static_cast<std::int64_t>(block->size));
-    if (block->stream != stream && !event->recorded) record_lazy_events();
+    // A lazy event is never seen here by another stream: note_stream recorded
+    // it when that stream first allocated (Note [Lazy events]).
     if (block->stream != stream && !event->complete) {
       backend_.stream_wait_event(stream, event->handle);
       out.waited = true;
