@@ -244,6 +244,16 @@ def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
     assert alloc.last_event(A) == fresh_segment_events + 2  # from now on, one event per free
 
 
+def test_a_lazily_held_free_reaches_another_stream_only_behind_a_wait():
+    alloc = two_jobs()
+    small = alloc.alloc(4096, A)
+    alloc.hold(A)
+    alloc.free(small)  # single stream so far: no event recorded yet
+    alloc.free(alloc.alloc(3 * MiB, A))  # misses rule a, so the events are polled
+    got = alloc.alloc_traced(4096, B)
+    assert (got.ptr, got.rule, got.waited) == (small, "c", True)
+
+
 def test_reset_peak_stats_of_one_job():
     alloc = two_jobs()
     alloc.free(alloc.alloc(MiB, A))

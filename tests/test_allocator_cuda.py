@@ -43,7 +43,8 @@ def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path)
         shim.parent.mkdir(parents=True)
         shim.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes.append(str(tmp_path))
-    flags = ["-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=check"]
+    # C++20, as torch.utils.cpp_extension builds extensions for torch 2.13.
+    flags = ["-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=check"]
     flags += [f"-I{path}" for path in includes]
 
     def compile_one(name):

@@ -41,7 +41,7 @@ __all__ = [
 _CORE_SOURCES = ["allocator_core.cpp"]
 _HOST_SOURCES = ["host_backend.cpp", "host_bindings.cpp"]
 _CUDA_SOURCES = ["cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
-_CXX_FLAGS = ["-O3", "-std=c++17", "-Wall"]
+_CXX_FLAGS = ["-O3", "-Wall"]  # the language standard is torch's choice
 DEFAULT_RELEASE_WAIT_S = 2.0
 
 _build_lock = threading.Lock()
