@@ -12,15 +12,15 @@
 // Blocks come from device segments, rounded into size classes, found best-fit,
 // split and coalesced. Small requests (<= 1 MiB) and large ones use separate
 // segments and pools, as in c10, so long-lived small tensors do not pin large
-// segments. A freed block remembers its stream, the job it belonged
-// to, and an event recorded at free time on that stream. An allocation of size n
-// on stream S takes, in priority order:
+// segments. A freed block remembers its stream, the job it belonged to, and an
+// event recorded at free time on that stream (Note [Lazy events]). An allocation
+// of size n on stream S takes, in priority order:
 //   a. a free block last used on S (stream order makes it safe at once);
 //   b. a free block whose event has completed, from any stream;
 //   c. a free block from another stream whose event is still pending: S is made
 //      to wait for that event on the device (cudaStreamWaitEvent; the host never
 //      blocks); among several, the oldest event first;
-//   d. a new device segment;
+//   d. a new device segment (the size class's usual size, else the tightest);
 //   e. segments that are wholly free are released (waiting only on their own
 //      events) and the request retried;
 //   f. when other jobs are running and will free memory (set_expected_releases),
@@ -32,6 +32,9 @@
 // Isolation: a block handed to job J is zeroed on J's stream unless every byte of
 // it was last owned by J or is clean (see Note [Owners]). New segments are zeroed
 // once when created, because the device may hand back memory another job freed.
+// Zeroing goes through Backend::memset_zero, one call per block, issued after the
+// allocator lock is released (allocate() in allocator_core.cpp); a batched scrub
+// (the Triton zero_ranges_ kernel) would collect those ranges there instead.
 //
 // ---------------------------------------------------------------------------
 // Glossary
