@@ -217,6 +217,10 @@ def test_bad_input_gives_clear_errors():
         alloc.unregister_job("nobody")
     with pytest.raises(ValueError, match="nbytes"):
         alloc.alloc(-1, A)
+    with pytest.raises(ValueError, match="capacity"):
+        HostAllocator(0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        alloc.set_expected_releases(["A"], timeout_s=-1)
 
 
 def test_small_requests_do_not_carve_large_segments():
@@ -263,6 +267,25 @@ def test_reset_peak_stats_of_one_job():
     assert alloc.job_stats("B")["allocated_bytes"]["peak"] == MiB
     with pytest.raises(ValueError, match="unknown job"):
         alloc.reset_peak_stats("nobody")
+
+
+def test_sources_are_found_in_an_installed_layout(tmp_path):
+    """After a non-editable install the sources sit at wwrun/csrc/allocator."""
+    import importlib.util
+    import shutil
+
+    import wwrun.allocator
+
+    package = tmp_path / "wwrun"
+    shutil.copytree(wwrun.allocator.source_dir(), package / "csrc" / "allocator")
+    shutil.copy(wwrun.allocator.__file__, package / "allocator.py")
+    spec = importlib.util.spec_from_file_location("installed_allocator", package / "allocator.py")
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    assert installed.source_dir() == package / "csrc" / "allocator"
+    shutil.rmtree(package / "csrc")
+    with pytest.raises(RuntimeError, match="sources not found"):
+        installed.source_dir()
 
 
 def test_empty_cache_returns_free_segments_and_peaks_stay():

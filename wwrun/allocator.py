@@ -87,13 +87,13 @@ def _check_job(job: str) -> str:
     return job
 
 
-def _check_limit(memory_limit: int | None) -> int:
-    """0 means no limit on the C++ side."""
-    if memory_limit is None:
+def _check_bytes(value: int | None, name: str = "memory_limit") -> int:
+    """A positive byte count; None becomes 0, which means "no limit" to the C++ side."""
+    if value is None:
         return 0
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
-        raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
-    return memory_limit
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    return value
 
 
 def _expected_jobs(jobs: Iterable[str] | Mapping[str, int]) -> list[str]:
@@ -141,8 +141,9 @@ class HostAllocator:
     """
 
     def __init__(self, capacity: int, *, reserved_limit: int | None = None):
-        _check_limit(capacity)
-        self._impl = _extension("host").HostAllocator(capacity, _check_limit(reserved_limit))
+        self._impl = _extension("host").HostAllocator(
+            _check_bytes(capacity, "capacity"), _check_bytes(reserved_limit, "reserved_limit")
+        )
 
     # allocation -------------------------------------------------------------
     def alloc(self, nbytes: int, stream: int = 0) -> int:
@@ -165,7 +166,7 @@ class HostAllocator:
 
     # jobs -------------------------------------------------------------------
     def register_stream(self, stream: int, job: str, memory_limit: int | None = None) -> None:
-        self._impl.register_stream(stream, _check_job(job), _check_limit(memory_limit))
+        self._impl.register_stream(stream, _check_job(job), _check_bytes(memory_limit))
 
     def unregister_job(self, job: str) -> None:
         if not self._impl.unregister_job(_check_job(job)):
@@ -292,7 +293,7 @@ def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
     `job`; allocations on it count to the job and obey its `memory_limit` bytes."""
     handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)
     device = stream.device.index if hasattr(stream, "device") else torch.cuda.current_device()
-    _cuda().register_stream(device, handle, _check_job(job), _check_limit(memory_limit))
+    _cuda().register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
 
 
 def unregister_job(job: str, device=None) -> None:
