@@ -57,6 +57,23 @@ def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path)
             assert result.returncode == 0, f"{name}:\n{result.stderr[-4000:]}"
 
 
+def test_install_and_job_functions_give_clear_errors():
+    import torch
+
+    import wwrun.allocator as wa
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        wa.install("cpu")
+    with pytest.raises(RuntimeError, match="not installed"):
+        wa.register_stream(0, "A")
+    with pytest.raises(RuntimeError, match="not installed"):
+        wa.stats()
+    if torch.version.cuda is None:  # never install into this test process on a GPU build
+        with pytest.raises(RuntimeError, match="no CUDA support"):
+            wa.install()
+    assert not wa.is_installed()
+
+
 def run_fresh(body: str) -> dict:
     """Runs `body` in a new interpreter after installing the allocator; the
     script prints one JSON object as its last line."""

@@ -291,9 +291,10 @@ def _device_index(device) -> int:
 def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
     """Binds a job's CUDA stream (torch.cuda.Stream or its cuda_stream integer) to
     `job`; allocations on it count to the job and obey its `memory_limit` bytes."""
+    module = _cuda()
     handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)
     device = stream.device.index if hasattr(stream, "device") else torch.cuda.current_device()
-    _cuda().register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
+    module.register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
 
 
 def unregister_job(job: str, device=None) -> None:
