@@ -1,0 +1,191 @@
+"""Benchmark of the memory-flow allocator (wwrun/allocator.py, csrc/allocator/).
+
+    PYTHONPATH=$PWD python benchmarks/allocator.py            # host; and GPU parts when CUDA is present
+
+Host backend: alloc/free pairs per second over a trace of mixed sizes (log-uniform
+512 B - 4 MiB, 64 blocks live), the loop running in C++ (target >= 2 million on
+one core). On a GPU, side by side with PyTorch's native allocator, each in its own
+fresh process: (i) single-stream torch.empty+del latency (target: no slower);
+(ii) two streams alternating forward/backward-like phases, peak reserved memory
+(target <= 0.6x native); (iii) a two-job training step's throughput (target >=
+native). GPU results are saved under benchmarks/results/. The last line printed is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MiB = 1 << 20
+
+
+def host_pairs_per_second(repeats: int) -> dict:
+    """Single stream (events recorded lazily), and with a second stream in use
+    (one event recorded per free, as in a multi-job run)."""
+    from wwrun.allocator import HostAllocator
+
+    rng = random.Random(0)
+    sizes = [int(2 ** rng.uniform(9, 22)) for _ in range(4096)]
+    pairs = len(sizes) * repeats
+    result = {}
+    for key, other_stream in (("host", None), ("host_two_streams", 1)):
+        alloc = HostAllocator(8 << 30)
+        if other_stream is not None:
+            alloc.free(alloc.alloc(512, other_stream))
+        alloc.benchmark_trace(sizes, window=64, repeats=2)  # warm: segments exist
+        best = min(alloc.benchmark_trace(sizes, window=64, repeats=repeats) for _ in range(3))
+        result[f"{key}_pairs_per_s"] = pairs / best
+        result[f"{key}_ns_per_pair"] = best / pairs * 1e9
+    return result
+
+
+# --- GPU parts: one fresh process per allocator --------------------------------------
+
+
+def gpu_child(kind: str) -> dict:
+    import threading
+
+    import torch
+
+    if kind == "wwrun":
+        import wwrun.allocator as wa
+
+        wa.install()
+    torch.cuda.init()
+    result = {}
+
+    # (i) single-stream alloc+free latency
+    sizes = [256 * 1024, 4 * MiB, 1024, 32 * MiB]
+    for n in sizes:  # warm
+        torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    count = 20000
+    start = time.perf_counter()
+    for i in range(count):
+        t = torch.empty(sizes[i & 3], dtype=torch.uint8, device="cuda")
+        del t
+    torch.cuda.synchronize()
+    result["latency_us"] = (time.perf_counter() - start) / count * 1e6
+
+    # (ii) two streams, alternating phases: one grows while the other shrinks
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    if kind == "wwrun":
+        wa.register_stream(streams[0], "A")
+        wa.register_stream(streams[1], "B")
+    blocks = 16
+    held = [[], []]
+    for phase in range(8):
+        grow, shrink = phase % 2, 1 - phase % 2
+        for _ in range(blocks):
+            with torch.cuda.stream(streams[shrink]):
+                if held[shrink]:
+                    held[shrink].pop()  # backward: free activations
+            with torch.cuda.stream(streams[grow]):
+                held[grow].append(torch.ones(64 * MiB // 4, device="cuda"))  # forward
+    torch.cuda.synchronize()
+    held = None
+    result["alternating_peak_reserved_mib"] = torch.cuda.max_memory_reserved() / MiB
+
+    # (iii) two jobs training on their own streams, from two threads
+    def train(stream, steps, out, name):
+        if kind == "wwrun":
+            wa.register_stream(stream, name)
+        with torch.cuda.stream(stream):
+            model = torch.nn.Sequential(
+                torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+            ).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            x = torch.randn(256, 1024, device="cuda")
+            for _ in range(steps):
+                loss = model(x).square().mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            stream.synchronize()
+        out.append(steps)
+
+    for steps, key in ((5, None), (200, "two_job_steps_per_s")):
+        done = []
+        threads = [
+            threading.Thread(target=train, args=(torch.cuda.Stream(), steps, done, f"j{i}"))
+            for i in range(2)
+        ]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if key:
+            result[key] = sum(done) / (time.perf_counter() - start)
+    return result
+
+
+def gpu_side_by_side() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    runs = {}
+    for kind in ("native", "wwrun"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", kind], capture_output=True, text=True, env=env
+        )
+        if out.returncode != 0:
+            raise SystemExit(f"{kind} run failed:\n{out.stderr[-3000:]}")
+        runs[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    native, ours = runs["native"], runs["wwrun"]
+    summary = {
+        "native": native,
+        "wwrun": ours,
+        "latency_ratio": ours["latency_us"] / native["latency_us"],
+        "alternating_peak_reserved_ratio": ours["alternating_peak_reserved_mib"]
+        / native["alternating_peak_reserved_mib"],
+        "two_job_throughput_ratio": ours["two_job_steps_per_s"] / native["two_job_steps_per_s"],
+    }
+    import torch
+
+    summary["device"] = torch.cuda.get_device_name()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "allocator_gpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50, help="passes over the host trace")
+    parser.add_argument("--child", choices=["native", "wwrun"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(gpu_child(args.child)))
+        return
+
+    result = host_pairs_per_second(args.repeats)
+    for key, label in (("host", "one stream"), ("host_two_streams", "two streams")):
+        print(f"host backend, {label}: {result[key + '_pairs_per_s'] / 1e6:.2f} M alloc/free "
+              f"pairs/s ({result[key + '_ns_per_pair']:.0f} ns/pair; target >= 2 M)")
+    import torch
+
+    if torch.cuda.is_available():
+        gpu = gpu_side_by_side()
+        print(f"(i) latency wwrun/native: {gpu['latency_ratio']:.2f}x (target <= 1)")
+        print(f"(ii) alternating peak reserved wwrun/native: "
+              f"{gpu['alternating_peak_reserved_ratio']:.2f}x (target <= 0.6)")
+        print(f"(iii) two-job throughput wwrun/native: {gpu['two_job_throughput_ratio']:.2f}x "
+              "(target >= 1)")
+        result["gpu"] = gpu
+    else:
+        print("no CUDA device: GPU parts skipped")
+        result["gpu"] = None
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

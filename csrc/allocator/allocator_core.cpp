@@ -1,0 +1,821 @@
+// The backend-agnostic core of the memory-flow allocator: the policy a-g, split
+// and coalesce, events, accounting. See waterwave_allocator.h for the policy and
+// the invariants; this file follows it rule by rule.
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "waterwave_allocator.h"
+
+namespace wwrun::alloc {
+
+namespace {
+
+JobId combine_owners(JobId a, JobId b) {
+  if (a == b || b == kClean) return a;
+  if (a == kClean) return b;
+  return kMixed;
+}
+
+std::string format_bytes(std::int64_t bytes) {
+  char text[64];
+  const double mib = static_cast<double>(bytes) / (1 << 20);
+  std::snprintf(text, sizeof(text), "%.2f MiB", mib);
+  return text;
+}
+
+}  // namespace
+
+MemoryFlowAllocator::MemoryFlowAllocator(Backend& backend, Options options)
+    : backend_(backend), options_(options) {
+  JobStats default_job;
+  default_job.name = "default";
+  jobs_.push_back(default_job);
+}
+
+MemoryFlowAllocator::~MemoryFlowAllocator() {
+  // Only host allocators are destroyed (the CUDA one lives as long as the
+  // process), so the device is idle here: no event needs waiting for.
+  for (auto& [base, segment] : segments_) {
+    for (Block* block = segment->head; block != nullptr;) {
+      Block* next = block->next;
+      if (block->event != nullptr) unref(block->event);
+      for (EventRef* event : block->deferred_events) unref(event);
+      delete block;
+      block = next;
+    }
+    backend_.segment_free(segment->base, segment->size);
+    delete segment;
+  }
+  for (EventRef* event : event_pool_) {
+    backend_.event_destroy(event->handle);
+    delete event;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Allocation: rules a-g
+// ---------------------------------------------------------------------------
+
+Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
+  const std::size_t size = round_size(bytes);
+  if (size < bytes) throw std::invalid_argument("allocation size overflows");
+  Allocation out;
+  Lock lock(mutex_);
+  note_stream(stream);
+  const JobId job = job_of_stream_locked(stream);
+  auto check_limit = [&] {
+    if (over_limit(job, size)) {
+      out_of_memory(job, bytes, size,
+                    "it would exceed the job's memory limit of " +
+                        format_bytes(static_cast<std::int64_t>(jobs_[job].limit)));
+    }
+  };
+  check_limit();
+
+  int stage = kRuleA;  // the furthest rule this request has reached
+  std::chrono::steady_clock::time_point deadline;
+  Block* block = nullptr;
+  for (;;) {
+    block = take_free_block(size, stream, out);  // rules a, b, c
+    if (block != nullptr) break;
+
+    // d. a new segment, the usual size first, then the tightest one.
+    const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
+    for (std::size_t bytes_of_segment : {usual, tight}) {
+      if (within_reserved_limit(bytes_of_segment)) {
+        void* base = obtain_segment(lock, bytes_of_segment, stream);
+        if (base != nullptr) {
+          block = add_segment(base, bytes_of_segment, size <= kSmallRequestBytes, stream);
+          break;
+        }
+      }
+      if (tight == usual) break;
+    }
+    if (block != nullptr) {
+      out.rule = kRuleD;
+      break;
+    }
+
+    // e. release wholly free segments, then retry from a.
+    if (stage < kRuleE) {
+      stage = kRuleE;
+      ++stats_.num_alloc_retries;
+      if (release_free_segments_locked(lock) > 0) continue;
+    }
+    // f. wait, bounded, for the frees of jobs that are about to release memory.
+    if (stage < kRuleF) {
+      stage = kRuleF;
+      ++stats_.num_alloc_retries;
+      deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(options_.release_wait_s));
+    }
+    if (wait_for_releases(lock, job, deadline)) continue;
+
+    // g.
+    out_of_memory(job, bytes, size,
+                  within_reserved_limit(tight)
+                      ? "the device has no free memory left"
+                      : "the device memory limit of " +
+                            format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) +
+                            " is reached");
+  }
+
+  // The lock may have been released above (d, e, f), and another thread of the
+  // same job (e.g. the autograd thread) may have allocated meanwhile.
+  check_limit();
+  out.rule = static_cast<Rule>(std::max<int>(stage, out.rule));
+  ++stats_.rule_count[out.rule];
+  carve(block, size, bytes, stream, job, out);
+  lock.unlock();
+  // The block is ours alone now; zero it on our stream, after any wait issued
+  // in carve, so the job's first kernel sees zeros. (A batched scrub, e.g. the
+  // Triton zero_ranges_ kernel, would collect these ranges instead.)
+  if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
+  return out;
+}
+
+bool MemoryFlowAllocator::within_reserved_limit(std::size_t segment_bytes) const {
+  return options_.reserved_limit == 0 ||
+         static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_ +
+                 segment_bytes <=
+             options_.reserved_limit;
+}
+
+// Device memory for a new segment, zeroed on `stream`: fresh memory may hold what
+// another job freed to the driver. Obtained with the lock released, since the
+// call can block (Note [Locking]); nullptr when the device has none.
+void* MemoryFlowAllocator::obtain_segment(Lock& lock, std::size_t bytes, StreamId stream) {
+  reserving_bytes_ += bytes;
+  lock.unlock();
+  void* base = nullptr;
+  try {
+    base = backend_.segment_alloc(bytes);
+    if (base != nullptr) backend_.memset_zero(base, bytes, stream);
+  } catch (...) {
+    lock.lock();
+    reserving_bytes_ -= bytes;
+    throw;
+  }
+  lock.lock();
+  reserving_bytes_ -= bytes;
+  return base;
+}
+
+Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,
+                                            Allocation& out) {
+  Pool& pool = pool_for(size);
+  // a. last used on this stream: stream order makes it safe at once.
+  auto own = pool.pending.find(stream);
+  if (own != pool.pending.end()) {
+    auto it = own->second.by_size.lower_bound(size);
+    if (it != own->second.by_size.end()) {
+      out.rule = kRuleA;
+      return *it;
+    }
+  }
+  // b. any block whose event completed.
+  process_events_locked();
+  auto it = pool.ready.lower_bound(size);
+  if (it != pool.ready.end()) {
+    out.rule = kRuleB;
+    return *it;
+  }
+  // c. pending on another stream: the oldest event first.
+  Block* block = take_pending_from_other_streams(pool, size, stream);
+  if (block != nullptr) out.rule = kRuleC;
+  return block;
+}
+
+Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::size_t size,
+                                                            StreamId stream) {
+  Block* best = nullptr;
+  for (auto& [other, stream_pool] : pool.pending) {
+    if (other == stream) continue;
+    for (Block* block = stream_pool.fifo_head; block != nullptr; block = block->fifo_next) {
+      if (block->size < size) continue;
+      if (best == nullptr || block->event->serial < best->event->serial) best = block;
+      break;  // later blocks of this stream have younger events
+    }
+  }
+  return best;
+}
+
+Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, bool small,
+                                        StreamId stream) {
+  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, small};
+  auto* block = new Block;
+  block->ptr = segment->base;
+  block->size = bytes;
+  block->segment = segment;
+  block->stream = stream;
+  block->owner = kClean;
+  segment->head = block;
+  segments_.emplace(segment->base, segment);
+  update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(bytes));
+  update_stat(stats_.segments, 1);
+  stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(bytes);
+  // Pending on `stream` behind the zeroing just queued there.
+  block->event = new_event(stream);
+  StreamPool& pool = pool_of(block).pending[stream];
+  pool.by_size.insert(block);
+  fifo_push_after(pool, pool.fifo_tail, block);
+  count_pending(static_cast<std::int64_t>(bytes));
+  return block;
+}
+
+Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t requested,
+                                  StreamId stream, JobId job, Allocation& out) {
+  EventRef* event = block->event;
+  if (should_split(block->size, size)) {
+    auto* rest = new Block;
+    rest->ptr = block->ptr + size;
+    rest->size = block->size - size;
+    rest->segment = block->segment;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    rest->stream = block->stream;
+    rest->owner = block->owner;
+    if (event != nullptr) {  // the rest stays pending behind the same event
+      rest->event = event;
+      ++event->refs;
+      StreamPool& pool = pool_of(block).pending[block->stream];
+      pool.by_size.insert(rest);
+      fifo_push_after(pool, block, rest);
+    } else {
+      pool_of(block).ready.insert(rest);
+    }
+    unlink_free(block);
+    block->size = size;
+  } else {
+    unlink_free(block);
+  }
+  if (event != nullptr) {
+    count_pending(-static_cast<std::int64_t>(block->size));
+    // A lazy event is never seen here by another stream: note_stream recorded
+    // it when that stream first allocated (Note [Lazy events]).
+    if (block->stream != stream && !event->complete) {
+      backend_.stream_wait_event(stream, event->handle);
+      out.waited = true;
+    }
+    unref(event);
+    block->event = nullptr;
+  }
+
+  out.zeroed = block->owner != job && block->owner != kClean;
+  if (out.zeroed) {
+    stats_.scrubbed_bytes += static_cast<std::int64_t>(block->size);
+    jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(block->size);
+  }
+  block->allocated = true;
+  block->owner = job;
+  block->stream = stream;
+  block->requested = requested;
+  live_.emplace(block->ptr, block);
+
+  const auto bytes = static_cast<std::int64_t>(block->size);
+  const auto asked = static_cast<std::int64_t>(requested);
+  update_stat(stats_.allocated_bytes, bytes);
+  update_stat(stats_.requested_bytes, asked);
+  update_stat(stats_.allocations, 1);
+  update_stat(jobs_[job].allocated_bytes, bytes);
+  update_stat(jobs_[job].requested_bytes, asked);
+  update_stat(jobs_[job].allocations, 1);
+  out.ptr = block->ptr;
+  out.size = block->size;
+  return block;
+}
+
+bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
+                                            std::chrono::steady_clock::time_point deadline) {
+  bool others_will_free = false;
+  for (const std::string& name : expected_releases_) {
+    auto other = find_job_locked(name);
+    if (other && *other != job && jobs_[*other].active) others_will_free = true;
+  }
+  const WaitHooks& hooks = options_.wait_hooks;
+  if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
+  const std::uint64_t seen = free_count_;
+  ++release_waiters_;
+  void* token = hooks.before ? hooks.before() : nullptr;
+  // wait_until releases the lock while it waits (Note [Locking]).
+  const bool freed =
+      freed_cv_.wait_until(lock, deadline, [&] { return free_count_ != seen; });
+  --release_waiters_;
+  if (hooks.after) {
+    // Taken back without our lock held: a thread holding what `before` released
+    // (the GIL) may be waiting for our lock.
+    lock.unlock();
+    hooks.after(token);
+    lock.lock();
+  }
+  return freed;
+}
+
+void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
+                                        const std::string& why) {
+  ++stats_.num_ooms;
+  ++stats_.rule_count[kRuleG];
+  ++jobs_[job].num_ooms;
+  std::ostringstream message;
+  message << "wwrun: job '" << jobs_[job].name << "' is out of memory: tried to allocate "
+          << format_bytes(static_cast<std::int64_t>(rounded)) << " (" << bytes
+          << " bytes requested), but " << why << ". Job '" << jobs_[job].name << "' has "
+          << format_bytes(jobs_[job].allocated_bytes.current) << " allocated";
+  if (jobs_[job].limit != 0) {
+    message << " of its " << format_bytes(static_cast<std::int64_t>(jobs_[job].limit))
+            << " limit";
+  }
+  message << ". Device: " << format_bytes(stats_.reserved_bytes.current) << " reserved, "
+          << format_bytes(stats_.allocated_bytes.current) << " allocated; by job:";
+  const char* separator = " ";
+  for (const JobStats& other : jobs_) {
+    if (other.allocated_bytes.current == 0 && &other != &jobs_[job]) continue;
+    message << separator << other.name << " " << format_bytes(other.allocated_bytes.current);
+    separator = ", ";
+  }
+  message << "; " << format_bytes(stats_.pending_event_bytes)
+          << " free behind pending events.";
+  throw OutOfMemory(message.str());
+}
+
+// ---------------------------------------------------------------------------
+// Free path, events, coalescing
+// ---------------------------------------------------------------------------
+
+void MemoryFlowAllocator::free(void* ptr) {
+  if (!free_if_owned(ptr)) {
+    throw std::invalid_argument("wwrun allocator: free of a pointer it did not allocate");
+  }
+}
+
+bool MemoryFlowAllocator::free_if_owned(void* ptr) {
+  Lock lock(mutex_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return false;
+  Block* block = it->second;
+  live_.erase(it);
+  const auto bytes = static_cast<std::int64_t>(block->size);
+  const auto asked = static_cast<std::int64_t>(block->requested);
+  JobStats& job = jobs_[block->owner];
+  update_stat(stats_.allocated_bytes, -bytes);
+  update_stat(stats_.requested_bytes, -asked);
+  update_stat(stats_.allocations, -1);
+  update_stat(job.allocated_bytes, -bytes);
+  update_stat(job.requested_bytes, -asked);
+  update_stat(job.allocations, -1);
+  block->allocated = false;
+
+  if (block->extra_streams.empty()) {
+    block->event = free_event(block->stream);
+    insert_free(block);
+  } else {
+    block->deferred = true;
+    block->deferred_events.push_back(new_event(block->stream));
+    for (StreamId other : block->extra_streams) {
+      block->deferred_events.push_back(new_event(other));
+    }
+    block->extra_streams.clear();
+    deferred_.push_back(block);
+    count_pending(bytes);
+  }
+  ++free_count_;
+  const bool wake = release_waiters_ > 0;
+  lock.unlock();
+  if (wake) freed_cv_.notify_all();
+  return true;
+}
+
+void MemoryFlowAllocator::record_stream(void* ptr, StreamId stream) {
+  Lock lock(mutex_);
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    throw std::invalid_argument("wwrun allocator: record_stream on a pointer it did not allocate");
+  }
+  Block* block = it->second;
+  if (stream == block->stream) return;
+  note_stream(stream);
+  auto& extra = block->extra_streams;
+  if (std::find(extra.begin(), extra.end(), stream) == extra.end()) extra.push_back(stream);
+}
+
+// A freshly freed block, pending behind its new event, absorbs free neighbours
+// that are ready or pending on the same stream (its event is younger, so it
+// covers theirs), then joins its stream's pool.
+void MemoryFlowAllocator::insert_free(Block* block) {
+  for (Block* neighbour : {block->prev, block->next}) {
+    if (neighbour != nullptr && !neighbour->allocated && !neighbour->deferred &&
+        (neighbour->event == nullptr || neighbour->stream == block->stream)) {
+      merge_into(block, neighbour);
+    }
+  }
+  StreamPool& pool = pool_of(block).pending[block->stream];
+  pool.by_size.insert(block);
+  fifo_push_after(pool, pool.fifo_tail, block);
+  count_pending(static_cast<std::int64_t>(block->size));
+}
+
+// A block with no pending event absorbs its ready neighbours and joins the ready set.
+void MemoryFlowAllocator::insert_ready(Block* block) {
+  for (Block* neighbour : {block->prev, block->next}) {
+    if (neighbour != nullptr && !neighbour->allocated && !neighbour->deferred &&
+        neighbour->event == nullptr) {
+      merge_into(block, neighbour);
+    }
+  }
+  pool_of(block).ready.insert(block);
+}
+
+void MemoryFlowAllocator::merge_into(Block* survivor, Block* absorbed) {
+  unlink_free(absorbed);
+  if (absorbed->event != nullptr) {
+    count_pending(-static_cast<std::int64_t>(absorbed->size));
+    unref(absorbed->event);
+  }
+  if (absorbed == survivor->prev) {
+    survivor->ptr = absorbed->ptr;
+    survivor->prev = absorbed->prev;
+    if (absorbed->prev != nullptr) {
+      absorbed->prev->next = survivor;
+    } else {
+      survivor->segment->head = survivor;
+    }
+  } else {
+    survivor->next = absorbed->next;
+    if (absorbed->next != nullptr) absorbed->next->prev = survivor;
+  }
+  survivor->size += absorbed->size;
+  survivor->owner = combine_owners(survivor->owner, absorbed->owner);
+  delete absorbed;
+}
+
+void MemoryFlowAllocator::unlink_free(Block* block) {
+  if (block->event != nullptr) {
+    StreamPool& pool = pool_of(block).pending[block->stream];
+    pool.by_size.erase(block);
+    fifo_remove(pool, block);
+  } else {
+    pool_of(block).ready.erase(block);
+  }
+}
+
+void MemoryFlowAllocator::fifo_push_after(StreamPool& pool, Block* after, Block* block) {
+  block->fifo_prev = after;
+  block->fifo_next = after != nullptr ? after->fifo_next : pool.fifo_head;
+  if (block->fifo_next != nullptr) {
+    block->fifo_next->fifo_prev = block;
+  } else {
+    pool.fifo_tail = block;
+  }
+  if (after != nullptr) {
+    after->fifo_next = block;
+  } else {
+    pool.fifo_head = block;
+  }
+}
+
+void MemoryFlowAllocator::fifo_remove(StreamPool& pool, Block* block) {
+  if (block->fifo_prev != nullptr) {
+    block->fifo_prev->fifo_next = block->fifo_next;
+  } else {
+    pool.fifo_head = block->fifo_next;
+  }
+  if (block->fifo_next != nullptr) {
+    block->fifo_next->fifo_prev = block->fifo_prev;
+  } else {
+    pool.fifo_tail = block->fifo_prev;
+  }
+  block->fifo_prev = block->fifo_next = nullptr;
+}
+
+void MemoryFlowAllocator::process_events() {
+  Lock lock(mutex_);
+  record_lazy_events();
+  process_events_locked();
+}
+
+void MemoryFlowAllocator::process_events_locked() {
+  for (Pool& kind : pools_) {
+    for (auto& [stream, pool] : kind.pending) {
+      // Events on one stream complete in the order they were recorded.
+      while (pool.fifo_head != nullptr && is_complete(pool.fifo_head->event)) {
+        Block* block = pool.fifo_head;
+        pool.by_size.erase(block);
+        fifo_remove(pool, block);
+        count_pending(-static_cast<std::int64_t>(block->size));
+        unref(block->event);
+        block->event = nullptr;
+        insert_ready(block);
+      }
+    }
+  }
+  poll_deferred();
+}
+
+void MemoryFlowAllocator::poll_deferred() {
+  for (std::size_t i = 0; i < deferred_.size();) {
+    Block* block = deferred_[i];
+    bool done = true;
+    for (EventRef* event : block->deferred_events) done = done && is_complete(event);
+    if (!done) {
+      ++i;
+      continue;
+    }
+    for (EventRef* event : block->deferred_events) unref(event);
+    block->deferred_events.clear();
+    block->deferred = false;
+    count_pending(-static_cast<std::int64_t>(block->size));
+    deferred_[i] = deferred_.back();
+    deferred_.pop_back();
+    insert_ready(block);
+  }
+}
+
+EventRef* MemoryFlowAllocator::new_event(StreamId stream) {
+  EventRef* event;
+  if (event_pool_.empty()) {
+    event = new EventRef;
+    event->handle = backend_.event_create();
+  } else {
+    event = event_pool_.back();
+    event_pool_.pop_back();
+  }
+  backend_.event_record(event->handle, stream);
+  event->stream = stream;
+  event->serial = ++event_serial_;
+  event->refs = 1;
+  event->recorded = true;
+  event->complete = false;
+  return event;
+}
+
+// A free's event: its own, recorded now, once several streams are in use;
+// before that, the stream's shared lazy one (Note [Lazy events]).
+EventRef* MemoryFlowAllocator::free_event(StreamId stream) {
+  if (eager_events_) return new_event(stream);
+  EventRef*& lazy = lazy_events_[stream];
+  if (lazy == nullptr) {
+    if (event_pool_.empty()) {
+      lazy = new EventRef;
+      lazy->handle = backend_.event_create();
+    } else {
+      lazy = event_pool_.back();
+      event_pool_.pop_back();
+    }
+    lazy->stream = stream;
+    lazy->refs = 0;
+    lazy->recorded = false;
+    lazy->complete = false;
+  }
+  ++lazy->refs;
+  return lazy;
+}
+
+void MemoryFlowAllocator::note_stream(StreamId stream) {
+  if (eager_events_) return;
+  if (!only_stream_) {
+    only_stream_ = stream;
+  } else if (*only_stream_ != stream) {
+    eager_events_ = true;
+    record_lazy_events();
+  }
+}
+
+void MemoryFlowAllocator::record_lazy_events() {
+  for (auto& [stream, event] : lazy_events_) {
+    backend_.event_record(event->handle, stream);
+    event->serial = ++event_serial_;
+    event->recorded = true;
+  }
+  lazy_events_.clear();
+}
+
+void MemoryFlowAllocator::unref(EventRef* event) {
+  if (--event->refs > 0) return;
+  if (!event->recorded) lazy_events_.erase(event->stream);
+  event_pool_.push_back(event);
+}
+
+bool MemoryFlowAllocator::is_complete(EventRef* event) {
+  if (!event->recorded) return false;
+  if (!event->complete && backend_.event_query(event->handle)) event->complete = true;
+  return event->complete;
+}
+
+void MemoryFlowAllocator::count_pending(std::int64_t delta) {
+  stats_.pending_event_bytes += delta;
+}
+
+// ---------------------------------------------------------------------------
+// Rule e: releasing wholly free segments
+// ---------------------------------------------------------------------------
+
+std::size_t MemoryFlowAllocator::release_free_segments() {
+  Lock lock(mutex_);
+  return release_free_segments_locked(lock);
+}
+
+std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
+  record_lazy_events();  // a victim's event must exist before it can be waited on
+  process_events_locked();
+  std::vector<Block*> victims;
+  for (auto& [base, segment] : segments_) {
+    Block* block = segment->head;
+    if (block->next == nullptr && !block->allocated && !block->deferred) {
+      victims.push_back(block);
+    }
+  }
+  if (victims.empty()) return 0;
+  std::size_t released = 0;
+  for (Block* block : victims) {
+    unlink_free(block);
+    if (block->event != nullptr) count_pending(-static_cast<std::int64_t>(block->size));
+    segments_.erase(block->segment->base);
+    update_stat(stats_.reserved_bytes, -static_cast<std::int64_t>(block->size));
+    update_stat(stats_.segments, -1);
+    released += block->size;
+  }
+  // The victims are unreachable now; wait on their own events and free them
+  // with the lock released (Note [Locking]).
+  lock.unlock();
+  for (Block* block : victims) {
+    if (block->event != nullptr && !block->event->complete) {
+      backend_.event_synchronize(block->event->handle);
+    }
+    backend_.segment_free(block->segment->base, block->segment->size);
+  }
+  lock.lock();
+  for (Block* block : victims) {
+    if (block->event != nullptr) unref(block->event);
+    delete block->segment;
+    delete block;
+  }
+  return released;
+}
+
+// ---------------------------------------------------------------------------
+// Jobs, stats, introspection
+// ---------------------------------------------------------------------------
+
+JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& name,
+                                           std::size_t limit) {
+  Lock lock(mutex_);
+  JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
+  if (job == static_cast<JobId>(jobs_.size())) {
+    JobStats stats;
+    stats.name = name;
+    jobs_.push_back(stats);
+  }
+  jobs_[job].active = true;
+  jobs_[job].limit = limit;
+  stream_jobs_[stream] = job;
+  return job;
+}
+
+bool MemoryFlowAllocator::unregister_job(const std::string& name) {
+  Lock lock(mutex_);
+  auto job = find_job_locked(name);
+  if (!job || *job == kDefaultJob) return false;
+  jobs_[*job].active = false;
+  for (auto it = stream_jobs_.begin(); it != stream_jobs_.end();) {
+    it = it->second == *job ? stream_jobs_.erase(it) : std::next(it);
+  }
+  return true;
+}
+
+JobId MemoryFlowAllocator::job_of_stream(StreamId stream) const {
+  Lock lock(mutex_);
+  return job_of_stream_locked(stream);
+}
+
+JobId MemoryFlowAllocator::job_of_stream_locked(StreamId stream) const {
+  auto it = stream_jobs_.find(stream);
+  return it == stream_jobs_.end() ? kDefaultJob : it->second;
+}
+
+std::optional<JobId> MemoryFlowAllocator::find_job(const std::string& name) const {
+  Lock lock(mutex_);
+  return find_job_locked(name);
+}
+
+bool MemoryFlowAllocator::over_limit(JobId job, std::size_t size) const {
+  const std::size_t limit = jobs_[job].limit;
+  return limit != 0 && static_cast<std::size_t>(jobs_[job].allocated_bytes.current) + size > limit;
+}
+
+std::optional<JobId> MemoryFlowAllocator::find_job_locked(const std::string& name) const {
+  for (JobId i = 0; i < static_cast<JobId>(jobs_.size()); ++i) {
+    if (jobs_[i].name == name) return i;
+  }
+  return std::nullopt;
+}
+
+void MemoryFlowAllocator::set_expected_releases(const std::vector<std::string>& jobs,
+                                                double wait_s) {
+  Lock lock(mutex_);
+  expected_releases_ = jobs;
+  options_.release_wait_s = wait_s;
+}
+
+Snapshot MemoryFlowAllocator::snapshot() const {
+  Lock lock(mutex_);
+  Snapshot snap;
+  snap.device = stats_;
+  snap.jobs = jobs_;
+  snap.fragmentation_bytes = stats_.reserved_bytes.current - stats_.allocated_bytes.current;
+  lock.unlock();
+  snap.largest_free_block = static_cast<std::int64_t>(largest_free_block());
+  return snap;
+}
+
+std::size_t MemoryFlowAllocator::largest_free_block() const {
+  Lock lock(mutex_);
+  std::size_t largest = 0;
+  for (const Pool& kind : pools_) {
+    if (!kind.ready.empty()) largest = std::max(largest, (*kind.ready.rbegin())->size);
+    for (const auto& [stream, pool] : kind.pending) {
+      if (!pool.by_size.empty()) largest = std::max(largest, (*pool.by_size.rbegin())->size);
+    }
+  }
+  return largest;
+}
+
+std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
+  Lock lock(mutex_);
+  std::vector<SegmentInfo> result;
+  for (const auto& [base, segment] : segments_) {
+    SegmentInfo info{reinterpret_cast<std::uintptr_t>(segment->base), segment->size, {}};
+    for (const Block* block = segment->head; block != nullptr; block = block->next) {
+      info.blocks.push_back({reinterpret_cast<std::uintptr_t>(block->ptr), block->size,
+                             block->allocated, block->event != nullptr || block->deferred,
+                             block->stream, block->owner});
+    }
+    result.push_back(std::move(info));
+  }
+  return result;
+}
+
+void MemoryFlowAllocator::reset_peak(std::optional<JobId> job) {
+  Lock lock(mutex_);
+  auto reset_job = [](JobStats& stats) {
+    wwrun::alloc::reset_peak(stats.allocated_bytes);
+    wwrun::alloc::reset_peak(stats.requested_bytes);
+    wwrun::alloc::reset_peak(stats.allocations);
+  };
+  if (job) {
+    reset_job(jobs_.at(*job));
+    return;
+  }
+  for (Stat* stat : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.requested_bytes,
+                     &stats_.allocations, &stats_.segments}) {
+    wwrun::alloc::reset_peak(*stat);
+  }
+  for (JobStats& stats : jobs_) reset_job(stats);
+}
+
+void MemoryFlowAllocator::reset_accumulated(std::optional<JobId> job) {
+  Lock lock(mutex_);
+  auto reset_job = [](JobStats& stats) {
+    wwrun::alloc::reset_accumulated(stats.allocated_bytes);
+    wwrun::alloc::reset_accumulated(stats.requested_bytes);
+    wwrun::alloc::reset_accumulated(stats.allocations);
+    stats.num_ooms = 0;
+  };
+  if (job) {
+    reset_job(jobs_.at(*job));
+    return;
+  }
+  for (Stat* stat : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.requested_bytes,
+                     &stats_.allocations, &stats_.segments}) {
+    wwrun::alloc::reset_accumulated(*stat);
+  }
+  stats_.num_ooms = 0;
+  stats_.num_alloc_retries = 0;
+  for (JobStats& stats : jobs_) reset_job(stats);
+}
+
+void MemoryFlowAllocator::set_reserved_limit(std::size_t bytes) {
+  Lock lock(mutex_);
+  options_.reserved_limit = bytes;
+}
+
+std::size_t MemoryFlowAllocator::reserved_limit() const {
+  Lock lock(mutex_);
+  return options_.reserved_limit;
+}
+
+void* MemoryFlowAllocator::segment_base(void* ptr, std::size_t* size) const {
+  Lock lock(mutex_);
+  auto it = segments_.upper_bound(static_cast<char*>(ptr));
+  if (it == segments_.begin()) return nullptr;
+  --it;
+  Segment* segment = it->second;
+  if (static_cast<char*>(ptr) >= segment->base + segment->size) return nullptr;
+  if (size != nullptr) *size = segment->size;
+  return segment->base;
+}
+
+}  // namespace wwrun::alloc

@@ -1,0 +1,100 @@
+// Python views of the allocator's figures, shared by the host and CUDA modules:
+// stats() as a plain dict, and OutOfMemory raised as torch.OutOfMemoryError.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "waterwave_allocator.h"
+
+namespace wwrun::alloc {
+
+namespace py = pybind11;
+
+inline py::dict stat_dict(const Stat& stat) {
+  py::dict d;
+  d["current"] = stat.current;
+  d["peak"] = stat.peak;
+  d["allocated"] = stat.allocated;
+  d["freed"] = stat.freed;
+  return d;
+}
+
+inline py::dict job_dict(const JobStats& job) {
+  py::dict d;
+  d["active"] = job.active;
+  d["limit"] = job.limit == 0 ? py::object(py::none()) : py::object(py::int_(job.limit));
+  d["allocated_bytes"] = stat_dict(job.allocated_bytes);
+  d["requested_bytes"] = stat_dict(job.requested_bytes);
+  d["allocations"] = stat_dict(job.allocations);
+  d["num_ooms"] = job.num_ooms;
+  d["scrubbed_bytes"] = job.scrubbed_bytes;
+  return d;
+}
+
+inline py::dict snapshot_dict(const Snapshot& snap) {
+  const DeviceStats& dev = snap.device;
+  py::dict device;
+  device["allocated_bytes"] = stat_dict(dev.allocated_bytes);
+  device["reserved_bytes"] = stat_dict(dev.reserved_bytes);
+  device["requested_bytes"] = stat_dict(dev.requested_bytes);
+  device["allocations"] = stat_dict(dev.allocations);
+  device["segments"] = stat_dict(dev.segments);
+  device["num_ooms"] = dev.num_ooms;
+  device["num_alloc_retries"] = dev.num_alloc_retries;
+  device["scrubbed_bytes"] = dev.scrubbed_bytes;
+  device["fresh_scrubbed_bytes"] = dev.fresh_scrubbed_bytes;
+  device["pending_event_bytes"] = dev.pending_event_bytes;
+  device["fragmentation_bytes"] = snap.fragmentation_bytes;
+  device["largest_free_block"] = snap.largest_free_block;
+  py::dict rules;
+  for (int rule = 0; rule < kNumRules; ++rule) {
+    rules[py::str(std::string(1, kRuleNames[rule]))] = dev.rule_count[rule];
+  }
+  py::dict jobs;
+  for (const JobStats& job : snap.jobs) jobs[py::str(job.name)] = job_dict(job);
+  py::dict d;
+  d["device"] = device;
+  d["rules"] = rules;
+  d["jobs"] = jobs;
+  return d;
+}
+
+inline py::list segments_list(const std::vector<SegmentInfo>& segments) {
+  py::list result;
+  for (const SegmentInfo& segment : segments) {
+    py::list blocks;
+    for (const BlockInfo& block : segment.blocks) {
+      py::dict b;
+      b["ptr"] = block.ptr;
+      b["size"] = block.size;
+      b["allocated"] = block.allocated;
+      b["pending"] = block.pending;
+      b["stream"] = block.stream;
+      b["owner"] = block.owner;
+      blocks.append(b);
+    }
+    py::dict s;
+    s["base"] = segment.base;
+    s["size"] = segment.size;
+    s["blocks"] = blocks;
+    result.append(s);
+  }
+  return result;
+}
+
+// OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native
+// allocator's error catches ours too.
+inline void register_out_of_memory(py::module_& m) {
+  static py::object torch_oom = py::module_::import("torch").attr("OutOfMemoryError");
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const OutOfMemory& oom) {
+      PyErr_SetString(torch_oom.ptr(), oom.what());
+    }
+  });
+  (void)m;
+}
+
+}  // namespace wwrun::alloc

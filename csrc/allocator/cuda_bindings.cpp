@@ -1,0 +1,27 @@
+// Python module for the CUDA build: install the allocator into PyTorch, bind
+// job streams, read the figures. Streams are passed as integers (cuda_stream).
+#include "bindings_common.h"
+#include "torch_cuda_allocator.h"
+
+namespace py = pybind11;
+namespace tc = wwrun::alloc::torch_cuda;
+using wwrun::alloc::StreamId;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  wwrun::alloc::register_out_of_memory(m);
+  m.def("install", &tc::install);
+  m.def("installed", &tc::installed);
+  m.def("register_stream", [](int device, StreamId stream, const std::string& job,
+                              std::size_t limit) {
+    return tc::core(device).register_stream(stream, job, limit);
+  });
+  m.def("unregister_job", [](int device, const std::string& job) {
+    return tc::core(device).unregister_job(job);
+  });
+  m.def("set_expected_releases", [](int device, const std::vector<std::string>& jobs,
+                                    double wait_s) {
+    tc::core(device).set_expected_releases(jobs, wait_s);
+  });
+  m.def("snapshot", [](int device) { return wwrun::alloc::snapshot_dict(tc::core(device).snapshot()); });
+  m.def("segments", [](int device) { return wwrun::alloc::segments_list(tc::core(device).segments()); });
+}

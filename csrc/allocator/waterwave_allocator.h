@@ -1,0 +1,352 @@
+// The memory-flow allocator: a stream-aware caching allocator that lets memory
+// freed by one job flow to another job's stream at once.
+//
+// Reference: Waterwave ("Waterwave: A GPU Memory Flow Engine for Concurrent DNN
+// Training", IEEE Transactions on Computers 72(10), 2023), section on the
+// synchronization-state-aware allocator; c10's CUDACachingAllocator for size
+// classes and split/coalesce; mimalloc for the layout of this header.
+//
+// ---------------------------------------------------------------------------
+// Policy
+// ---------------------------------------------------------------------------
+// Blocks come from device segments, rounded into size classes, found best-fit,
+// split and coalesced. Small requests (<= 1 MiB) and large ones use separate
+// segments and pools, as in c10, so long-lived small tensors do not pin large
+// segments. A freed block remembers its stream, the job it belonged to, and an
+// event recorded at free time on that stream (Note [Lazy events]). An allocation
+// of size n on stream S takes, in priority order:
+//   a. a free block last used on S (stream order makes it safe at once);
+//   b. a free block whose event has completed, from any stream;
+//   c. a free block from another stream whose event is still pending: S is made
+//      to wait for that event on the device (cudaStreamWaitEvent; the host never
+//      blocks); among several, the oldest event first;
+//   d. a new device segment (the size class's usual size, else the tightest);
+//   e. segments that are wholly free are released (waiting only on their own
+//      events) and the request retried;
+//   f. when other jobs are running and will free memory (set_expected_releases),
+//      wait a bounded time for their frees, then retry;
+//   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
+//      request, the job's usage and the device's usage by job.
+// A job's own limit is checked first: beyond it the job goes straight to g.
+//
+// Isolation: a block handed to job J is zeroed on J's stream unless every byte of
+// it was last owned by J or is clean (see Note [Owners]). New segments are zeroed
+// once when created, because the device may hand back memory another job freed.
+// Zeroing goes through Backend::memset_zero, one call per block, issued after the
+// allocator lock is released (allocate() in allocator_core.cpp); a batched scrub
+// (the Triton zero_ranges_ kernel) would collect those ranges there instead.
+//
+// ---------------------------------------------------------------------------
+// Glossary
+// ---------------------------------------------------------------------------
+//   Segment   memory obtained from the backend in one call; split into Blocks.
+//   Block     a contiguous range of a segment, allocated or free; neighbours in
+//             address order are linked, so coalescing is O(1).
+//   EventRef  a pooled, reference-counted backend event; the blocks split from
+//             one freed block share its event.
+//   pending   a free block whose event has not been seen complete: only its own
+//             stream may take it at once (rule a), others must wait (rule c).
+//   ready     a free block with no pending event: any stream may take it (b).
+//   deferred  a freed block also used on other streams (record_stream): it joins
+//             the free blocks once the events on all those streams complete.
+//   Job       a named user of the allocator; streams are bound to jobs, and an
+//             unbound stream belongs to job 0, "default".
+//
+// Note [Owners]: a free block's owner is the job whose data it holds, kClean for
+// zeroed memory, or kMixed after coalescing blocks of different jobs. Mixed blocks
+// are zeroed for every job: conservative, never leaking.
+//
+// Note [Lazy events]: while the allocator has seen a single stream, no other
+// stream can take a freed block, so frees share one event that is recorded only
+// when it is needed: when a second stream first allocates (or record_stream
+// names one), or before rule e waits on it. Recording later than the free is
+// safe (the event then covers more work); it only takes event recording off a
+// single job's hot path. From the second stream on, every free records its own
+// event, as the policy says.
+//
+// Note [Locking]: one mutex per allocator. It is never held across a call that
+// can block (segment_alloc/free, event_synchronize, memset of host memory), nor
+// while waiting for other jobs' frees (rule f waits on a condition variable).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "size_classes.h"
+#include "stats.h"
+
+namespace wwrun::alloc {
+
+using JobId = std::int32_t;
+constexpr JobId kDefaultJob = 0;
+constexpr JobId kClean = -1;  // owner of zeroed memory
+constexpr JobId kMixed = -2;  // owner of a coalesced block holding several jobs' data
+
+// The rules of the policy, in order; counters are indexed by them.
+enum Rule : int { kRuleA = 0, kRuleB, kRuleC, kRuleD, kRuleE, kRuleF, kRuleG, kNumRules };
+constexpr char kRuleNames[kNumRules + 1] = "abcdefg";
+
+// Thrown by allocate() under rule g; what() is the message shown to the job.
+class OutOfMemory : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct EventRef {
+  EventHandle handle = nullptr;
+  StreamId stream = 0;
+  std::uint64_t serial = 0;  // global record order: smaller is older (rule c)
+  int refs = 0;
+  bool recorded = false;  // false: shared by frees on one stream, see Note [Lazy events]
+  bool complete = false;  // cached once the backend said so
+};
+
+struct Segment;
+
+// Invariants, for a block B inside segment G:
+//   B.ptr + B.size == B.next->ptr              (when B.next != nullptr)
+//   sum of sizes over G's blocks == G.size
+//   B.ptr % kBlockAlignBytes == 0, B.size % kBlockAlignBytes == 0
+//   B.allocated => B.event == nullptr
+//   free and B.event != nullptr && !deferred  <=>  B is pending (in pending_[B.stream])
+struct Block {
+  char* ptr = nullptr;
+  std::size_t size = 0;
+  Segment* segment = nullptr;
+  Block* prev = nullptr;  // address-order neighbours within the segment
+  Block* next = nullptr;
+  bool allocated = false;
+  bool deferred = false;
+  StreamId stream = 0;       // allocated: its stream; free: the stream it was last used on
+  JobId owner = kClean;      // allocated: its job; free: whose data it holds
+  std::size_t requested = 0; // allocated: bytes asked for
+  EventRef* event = nullptr; // free and pending: the event recorded when freed
+  std::vector<StreamId> extra_streams;      // record_stream uses while allocated
+  std::vector<EventRef*> deferred_events;   // deferred: one per stream it was used on
+  Block* fifo_prev = nullptr;  // pending: free order on its stream
+  Block* fifo_next = nullptr;
+};
+
+struct Segment {
+  char* base = nullptr;
+  std::size_t size = 0;
+  Block* head = nullptr;
+  bool small = false;  // serves requests <= kSmallRequestBytes only
+};
+
+// Best-fit order; lower_bound(n) with a size finds the smallest block >= n.
+struct BlockBySize {
+  using is_transparent = void;
+  bool operator()(const Block* x, const Block* y) const {
+    return x->size != y->size ? x->size < y->size : x->ptr < y->ptr;
+  }
+  bool operator()(const Block* x, std::size_t size) const { return x->size < size; }
+  bool operator()(std::size_t size, const Block* y) const { return size < y->size; }
+};
+using BlockSet = std::set<Block*, BlockBySize>;
+
+// Free blocks last used on one stream whose events have not been seen complete:
+// a best-fit index and the free order (events on one stream complete in order).
+struct StreamPool {
+  BlockSet by_size;
+  Block* fifo_head = nullptr;
+  Block* fifo_tail = nullptr;
+};
+
+// All free blocks of one size kind (small or large).
+struct Pool {
+  std::unordered_map<StreamId, StreamPool> pending;  // by the stream last used on
+  BlockSet ready;
+};
+
+struct JobStats {
+  std::string name;
+  bool active = true;
+  std::size_t limit = 0;  // bytes; 0: no limit
+  Stat allocated_bytes;
+  Stat requested_bytes;
+  Stat allocations;       // live blocks
+  std::int64_t num_ooms = 0;
+  std::int64_t scrubbed_bytes = 0;  // zeroed because another job's data was there
+};
+
+struct DeviceStats {
+  Stat allocated_bytes;  // invariant: allocated_bytes.current == sum over jobs
+  Stat reserved_bytes;   // invariant: reserved_bytes.current >= allocated_bytes.current
+  Stat requested_bytes;
+  Stat allocations;
+  Stat segments;
+  std::int64_t num_ooms = 0;
+  std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
+  std::int64_t rule_count[kNumRules] = {};
+  std::int64_t scrubbed_bytes = 0;        // cross-job zeroing
+  std::int64_t fresh_scrubbed_bytes = 0;  // new segments zeroed once
+  std::int64_t pending_event_bytes = 0;   // free or deferred bytes behind pending events
+};
+
+struct Snapshot {
+  DeviceStats device;
+  std::vector<JobStats> jobs;
+  std::int64_t fragmentation_bytes = 0;  // reserved - allocated
+  std::int64_t largest_free_block = 0;
+};
+
+struct BlockInfo {
+  std::uintptr_t ptr;
+  std::size_t size;
+  bool allocated;
+  bool pending;
+  StreamId stream;
+  JobId owner;
+};
+struct SegmentInfo {
+  std::uintptr_t base;
+  std::size_t size;
+  std::vector<BlockInfo> blocks;
+};
+
+// What allocate() did, for the caller and for tests.
+struct Allocation {
+  void* ptr = nullptr;
+  std::size_t size = 0;    // rounded
+  Rule rule = kRuleA;      // the last rule reached
+  bool zeroed = false;     // scrubbed before hand-out (cross-job)
+  bool waited = false;     // the stream was made to wait on another stream's event
+};
+
+// Rule f's hooks into the host. `may_wait` says whether the calling thread may
+// wait at all (unset: yes); `before` runs under the allocator lock and returns a
+// token, `after` gets it back with the lock released. The CUDA build waits only
+// on threads holding Python's GIL (job threads; never the shared autograd
+// thread, whose stall would stop every job's backward) and releases the GIL for
+// the wait, or the jobs whose frees it waits for could not run.
+struct WaitHooks {
+  std::function<bool()> may_wait;
+  std::function<void*()> before;
+  std::function<void(void*)> after;
+};
+
+struct Options {
+  std::size_t reserved_limit = 0;  // bytes of segments the allocator may hold; 0: none
+  double release_wait_s = 2.0;     // rule f's bound
+  WaitHooks wait_hooks;
+};
+
+class MemoryFlowAllocator {
+ public:
+  MemoryFlowAllocator(Backend& backend, Options options = {});
+  ~MemoryFlowAllocator();
+  MemoryFlowAllocator(const MemoryFlowAllocator&) = delete;
+  MemoryFlowAllocator& operator=(const MemoryFlowAllocator&) = delete;
+
+  // Throws OutOfMemory (rule g) or std::invalid_argument.
+  Allocation allocate(std::size_t bytes, StreamId stream);
+  // Throws std::invalid_argument for a pointer this allocator does not own.
+  void free(void* ptr);
+  // False (and nothing done) for a pointer this allocator does not own.
+  bool free_if_owned(void* ptr);
+  // The block at `ptr` is also used on `stream`: it is not reused until the
+  // work queued there before its free completes (Tensor.record_stream).
+  void record_stream(void* ptr, StreamId stream);
+
+  // Binds `stream` to job `name`, creating or re-activating the job; `limit`
+  // (bytes, 0: none) replaces the job's limit. Returns the job's id.
+  JobId register_stream(StreamId stream, const std::string& name, std::size_t limit);
+  // Unbinds the job's streams; its figures stay in the stats. False if unknown.
+  bool unregister_job(const std::string& name);
+  JobId job_of_stream(StreamId stream) const;
+  std::optional<JobId> find_job(const std::string& name) const;
+
+  // Rule f: jobs expected to free memory soon. An empty list disables rule f.
+  void set_expected_releases(const std::vector<std::string>& jobs, double wait_s);
+
+  // Records lazily held events (Note [Lazy events]), then moves free blocks
+  // whose events completed to the ready pool.
+  void process_events();
+  // Rule e on demand (empty_cache): releases wholly free segments. Returns bytes.
+  std::size_t release_free_segments();
+
+  Snapshot snapshot() const;
+  std::vector<SegmentInfo> segments() const;
+  void reset_peak(std::optional<JobId> job);        // nullopt: the device and all jobs
+  void reset_accumulated(std::optional<JobId> job);
+  void set_reserved_limit(std::size_t bytes);
+  std::size_t reserved_limit() const;
+  // The segment containing ptr: its base, and its size in *size. nullptr if none.
+  void* segment_base(void* ptr, std::size_t* size) const;
+  std::size_t largest_free_block() const;
+
+ private:
+  using Lock = std::unique_lock<std::mutex>;
+
+  Block* take_free_block(std::size_t size, StreamId stream, Allocation& out);
+  Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
+  Block* add_segment(void* base, std::size_t bytes, bool small, StreamId stream);
+  Pool& pool_of(const Block* block) { return pools_[block->segment->small ? 0 : 1]; }
+  Pool& pool_for(std::size_t size) { return pools_[size <= kSmallRequestBytes ? 0 : 1]; }
+  bool over_limit(JobId job, std::size_t size) const;
+  bool within_reserved_limit(std::size_t segment_bytes) const;
+  void* obtain_segment(Lock& lock, std::size_t bytes, StreamId stream);
+  std::optional<JobId> find_job_locked(const std::string& name) const;
+  Block* carve(Block* block, std::size_t size, std::size_t requested, StreamId stream,
+               JobId job, Allocation& out);
+  void process_events_locked();
+  JobId job_of_stream_locked(StreamId stream) const;
+  void insert_free(Block* block);
+  void insert_ready(Block* block);
+  void unlink_free(Block* block);
+  void merge_into(Block* survivor, Block* absorbed);
+  void fifo_push_after(StreamPool& pool, Block* after, Block* block);
+  void fifo_remove(StreamPool& pool, Block* block);
+  std::size_t release_free_segments_locked(Lock& lock);
+  bool wait_for_releases(Lock& lock, JobId job,
+                         std::chrono::steady_clock::time_point deadline);
+  [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
+                                  const std::string& why);
+  void poll_deferred();
+
+  EventRef* new_event(StreamId stream);
+  EventRef* free_event(StreamId stream);
+  void note_stream(StreamId stream);
+  void record_lazy_events();
+  void unref(EventRef* event);
+  bool is_complete(EventRef* event);
+  void count_pending(std::int64_t delta);
+
+  Backend& backend_;
+  Options options_;
+  mutable std::mutex mutex_;
+  std::condition_variable freed_cv_;  // rule f: signalled on every free
+  std::uint64_t free_count_ = 0;
+  int release_waiters_ = 0;
+  std::vector<std::string> expected_releases_;
+
+  std::map<char*, Segment*> segments_;  // by base address
+  std::unordered_map<void*, Block*> live_;
+  Pool pools_[2];  // small, large
+  std::vector<Block*> deferred_;
+  std::vector<EventRef*> event_pool_;
+  std::optional<StreamId> only_stream_;  // the single stream seen so far
+  bool eager_events_ = false;            // a second stream was seen
+  std::unordered_map<StreamId, EventRef*> lazy_events_;  // not yet recorded
+  std::uint64_t event_serial_ = 0;
+  std::size_t reserving_bytes_ = 0;  // segments being obtained with the lock released
+
+  std::vector<JobStats> jobs_;
+  std::unordered_map<StreamId, JobId> stream_jobs_;
+  DeviceStats stats_;
+};
+
+}  // namespace wwrun::alloc

@@ -1,0 +1,500 @@
+"""The memory-flow allocator on the host backend: every rule of the policy (a-g,
+csrc/allocator/waterwave_allocator.h), isolation, limits, accounting, and
+property tests against a small Python reference model; plus a threaded stress
+test (a correctness test, not a benchmark)."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wwrun.allocator import HostAllocator
+
+MiB = 1 << 20
+ALIGN = 512
+A, B, C = 1, 2, 3  # streams of jobs "A", "B", "C"
+
+
+def two_jobs(capacity=256 * MiB, **kwargs):
+    alloc = HostAllocator(capacity, **kwargs)
+    alloc.register_stream(A, "A")
+    alloc.register_stream(B, "B")
+    return alloc
+
+
+def fill(alloc, ptr, size, byte):
+    alloc.write(ptr, bytes([byte]) * size)
+
+
+# --- rules a, b, c ---------------------------------------------------------------
+
+
+def test_rule_a_reuses_a_block_on_its_own_stream_without_zeroing():
+    alloc = two_jobs()
+    first = alloc.alloc_traced(4000, A)
+    fill(alloc, first.ptr, first.size, 0x5A)
+    alloc.hold(A)  # the event stays pending: only stream order makes reuse safe
+    alloc.free(first.ptr)
+    again = alloc.alloc_traced(4000, A)
+    assert (again.ptr, again.rule, again.zeroed, again.waited) == (first.ptr, "a", False, False)
+    assert alloc.read(again.ptr, again.size) == bytes([0x5A]) * again.size
+
+
+def test_rule_b_hands_a_completed_block_to_another_job_zeroed():
+    alloc = two_jobs()
+    secret = alloc.alloc_traced(64 * 1024, A)
+    fill(alloc, secret.ptr, secret.size, 0xAB)
+    alloc.free(secret.ptr)  # stream A is running: its event completes at once
+    got = alloc.alloc_traced(64 * 1024, B)
+    assert (got.ptr, got.rule, got.zeroed, got.waited) == (secret.ptr, "b", True, False)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+    assert alloc.job_stats("B")["scrubbed_bytes"] == got.size
+    assert alloc.stats()["device"]["scrubbed_bytes"] == got.size
+
+
+def test_rule_c_makes_the_stream_wait_on_the_pending_event():
+    alloc = two_jobs()
+    block = alloc.alloc(1 * MiB, A)
+    alloc.hold(A)
+    before_free = alloc.last_event(A)
+    alloc.free(block)
+    assert alloc.stats()["device"]["pending_event_bytes"] >= 1 * MiB
+    got = alloc.alloc_traced(1 * MiB, B)
+    assert (got.ptr, got.rule, got.waited, got.zeroed) == (block, "c", True, True)
+    [(waiting, on, seq)] = alloc.waits()
+    assert (waiting, on) == (B, A) and seq > before_free  # an event recorded after the free
+
+
+def test_rule_c_takes_the_oldest_pending_event_first():
+    alloc = two_jobs()
+    alloc.register_stream(C, "C")
+    older = alloc.alloc(8192, A)
+    younger = alloc.alloc(8192, C)
+    alloc.hold(A)
+    alloc.hold(C)
+    alloc.free(older)
+    alloc.free(younger)  # coalesces with the free rest of the segment: a better fit would be elsewhere
+    got = alloc.alloc_traced(8192, B)
+    assert (got.ptr, got.rule) == (older, "c")
+
+
+def test_completed_events_come_before_pending_ones():
+    alloc = two_jobs()
+    alloc.register_stream(C, "C")
+    pending = alloc.alloc(16384, A)
+    done = alloc.alloc(16384, C)
+    alloc.hold(A)
+    alloc.free(pending)
+    alloc.free(done)
+    got = alloc.alloc_traced(16384, B)
+    assert got.rule == "b" and got.ptr != pending and not got.waited
+
+
+# --- rules d, e, f, g ------------------------------------------------------------
+
+
+def test_rule_e_releases_a_wholly_free_segment_waiting_on_its_own_event():
+    alloc = two_jobs(capacity=12 * MiB)
+    small = alloc.alloc(1 * MiB, A)  # a 2 MiB segment
+    alloc.hold(A)
+    alloc.free(small)  # pending: rule e must wait for this event, and only this one
+    big = alloc.alloc_traced(11 * MiB, B)  # a 12 MiB segment: fits only once the 2 MiB one is gone
+    assert big.rule == "e"
+    stats = alloc.stats()
+    assert stats["device"]["segments"]["current"] == 1
+    assert stats["device"]["reserved_bytes"]["current"] == 12 * MiB
+    assert alloc.waits() == []  # nothing was handed across streams
+
+
+def test_rule_f_waits_for_an_expected_release_then_succeeds():
+    alloc = two_jobs(capacity=12 * MiB)
+    held = alloc.alloc(11 * MiB, A)
+    alloc.set_expected_releases(["A"], timeout_s=10.0)
+    threading.Timer(0.1, alloc.free, args=(held,)).start()
+    got = alloc.alloc_traced(11 * MiB, B)
+    assert got.rule == "f" and got.ptr == held and got.zeroed
+
+
+def test_rule_f_is_bounded_and_skipped_without_expected_releases():
+    alloc = two_jobs(capacity=12 * MiB)
+    alloc.alloc(11 * MiB, A)
+    start = time.monotonic()
+    with pytest.raises(torch.OutOfMemoryError):
+        alloc.alloc(11 * MiB, B)
+    assert time.monotonic() - start < 1.0
+    alloc.set_expected_releases({"A": 11 * MiB}, timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(torch.OutOfMemoryError):
+        alloc.alloc(11 * MiB, B)
+    assert time.monotonic() - start >= 0.2
+    alloc.set_expected_releases({"B": 11 * MiB}, timeout_s=5.0)  # only itself: no point waiting
+    start = time.monotonic()
+    with pytest.raises(torch.OutOfMemoryError):
+        alloc.alloc(11 * MiB, B)
+    assert time.monotonic() - start < 1.0
+
+
+def test_rule_d_falls_back_to_the_tightest_segment():
+    alloc = two_jobs(capacity=12 * MiB)
+    got = alloc.alloc_traced(6 * MiB, A)  # usually a 20 MiB segment: more than the device has
+    assert got.rule == "d"
+    assert alloc.stats()["device"]["reserved_bytes"]["current"] == 6 * MiB
+
+
+def test_reserved_limit_caps_the_device_and_names_itself():
+    alloc = two_jobs(reserved_limit=8 * MiB)
+    alloc.alloc(6 * MiB, A)
+    with pytest.raises(torch.OutOfMemoryError, match="device memory limit of 8.00 MiB"):
+        alloc.alloc(4 * MiB, B)
+    alloc.alloc(MiB, B)  # a 2 MiB small segment still fits
+
+
+def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
+    alloc = two_jobs(capacity=24 * MiB)
+    alloc.alloc(6 * MiB, A)  # a 20 MiB segment
+    with pytest.raises(torch.OutOfMemoryError) as error:
+        alloc.alloc(15 * MiB, B)  # neither the 14 MiB left nor a new 16 MiB segment fit
+    message = str(error.value)
+    assert "job 'B'" in message
+    assert "15.00 MiB" in message  # the request
+    assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
+    assert alloc.stats()["rules"]["g"] == 1
+    assert alloc.job_stats("B")["num_ooms"] == 1
+    assert alloc.job_stats("A")["num_ooms"] == 0
+    alloc.alloc(1 * MiB, A)  # the other job goes on
+
+
+def test_memory_limit_fails_only_that_job():
+    alloc = two_jobs()
+    alloc.register_stream(A, "A", memory_limit=2 * MiB)
+    alloc.alloc(1 * MiB, A)
+    with pytest.raises(torch.OutOfMemoryError, match=r"job 'A'.*memory limit of 2.00 MiB"):
+        alloc.alloc(1 * MiB + 1, A)
+    alloc.alloc(1 * MiB, A)  # exactly at the limit
+    alloc.alloc(64 * MiB, B)  # B has no limit
+    assert alloc.job_stats("A")["limit"] == 2 * MiB
+
+
+# --- record_stream, jobs, input --------------------------------------------------
+
+
+def test_record_stream_keeps_a_block_until_the_other_stream_is_done():
+    alloc = two_jobs()
+    side = 7
+    block = alloc.alloc(32768, A)
+    alloc.record_stream(block, side)
+    alloc.hold(side)
+    alloc.free(block)
+    assert alloc.stats()["device"]["pending_event_bytes"] >= 32768
+    assert alloc.alloc(32768, B) != block
+    alloc.complete(side)
+    assert alloc.alloc_traced(32768, B).ptr == block
+
+
+def test_unregistered_streams_belong_to_the_default_job():
+    alloc = two_jobs()
+    alloc.alloc(4096, 42)
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 4096
+    alloc.unregister_job("A")
+    alloc.alloc(4096, A)
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 8192
+    assert alloc.job_stats("A")["active"] is False
+
+
+def test_bad_input_gives_clear_errors():
+    alloc = two_jobs()
+    with pytest.raises(ValueError, match="did not allocate"):
+        alloc.free(12345)
+    with pytest.raises(ValueError, match="job"):
+        alloc.register_stream(5, "")
+    with pytest.raises(ValueError, match="memory_limit"):
+        alloc.register_stream(5, "x", memory_limit=-1)
+    with pytest.raises(ValueError, match="unknown job"):
+        alloc.unregister_job("nobody")
+    with pytest.raises(ValueError, match="nbytes"):
+        alloc.alloc(-1, A)
+    with pytest.raises(ValueError, match="capacity"):
+        HostAllocator(0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        alloc.set_expected_releases(["A"], timeout_s=-1)
+
+
+def test_small_requests_do_not_carve_large_segments():
+    alloc = two_jobs()
+    big = alloc.alloc(12 * MiB, A)
+    alloc.free(big)
+    small = alloc.alloc(4096, A)
+    assert not (big <= small < big + 12 * MiB)
+    assert alloc.stats()["device"]["segments"]["current"] == 2
+
+
+def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
+    alloc = two_jobs()
+    for _ in range(10):
+        alloc.free(alloc.alloc(4096, A))
+    fresh_segment_events = alloc.last_event(A)
+    assert fresh_segment_events == 1  # only the zeroing of the new segment
+    alloc.hold(A)
+    alloc.free(alloc.alloc(MiB, A))
+    got = alloc.alloc_traced(MiB, B)  # the shared event is recorded now, on A, and is pending
+    assert got.rule == "c" and got.waited
+    assert alloc.last_event(A) == fresh_segment_events + 1
+    alloc.complete(A)
+    alloc.free(alloc.alloc(4096, A))
+    assert alloc.last_event(A) == fresh_segment_events + 2  # from now on, one event per free
+
+
+def test_a_lazily_held_free_reaches_another_stream_only_behind_a_wait():
+    alloc = two_jobs()
+    small = alloc.alloc(4096, A)
+    alloc.hold(A)
+    alloc.free(small)  # single stream so far: no event recorded yet
+    alloc.free(alloc.alloc(3 * MiB, A))  # misses rule a, so the events are polled
+    got = alloc.alloc_traced(4096, B)
+    assert (got.ptr, got.rule, got.waited) == (small, "c", True)
+
+
+def test_reset_peak_stats_of_one_job():
+    alloc = two_jobs()
+    alloc.free(alloc.alloc(MiB, A))
+    alloc.free(alloc.alloc(MiB, B))
+    alloc.reset_peak_stats("A")
+    assert alloc.job_stats("A")["allocated_bytes"]["peak"] == 0
+    assert alloc.job_stats("B")["allocated_bytes"]["peak"] == MiB
+    with pytest.raises(ValueError, match="unknown job"):
+        alloc.reset_peak_stats("nobody")
+
+
+def test_sources_are_found_in_an_installed_layout(tmp_path):
+    """After a non-editable install the sources sit at wwrun/csrc/allocator."""
+    import importlib.util
+    import shutil
+
+    import wwrun.allocator
+
+    package = tmp_path / "wwrun"
+    shutil.copytree(wwrun.allocator.source_dir(), package / "csrc" / "allocator")
+    shutil.copy(wwrun.allocator.__file__, package / "allocator.py")
+    spec = importlib.util.spec_from_file_location("installed_allocator", package / "allocator.py")
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    assert installed.source_dir() == package / "csrc" / "allocator"
+    shutil.rmtree(package / "csrc")
+    with pytest.raises(RuntimeError, match="sources not found"):
+        installed.source_dir()
+
+
+def test_empty_cache_returns_free_segments_and_peaks_stay():
+    alloc = two_jobs()
+    blocks = [alloc.alloc(3 * MiB, A) for _ in range(3)]
+    for ptr in blocks:
+        alloc.free(ptr)
+    peak = alloc.stats()["device"]["reserved_bytes"]["peak"]
+    assert alloc.empty_cache() == peak
+    stats = alloc.stats()["device"]
+    assert stats["reserved_bytes"]["current"] == 0 and stats["reserved_bytes"]["peak"] == peak
+
+
+# --- property tests against a reference model -------------------------------------
+
+# 1 MiB requests fill 2 MiB segments exactly, so free space runs out and blocks
+# must flow between streams (rule c) rather than come from a segment's free rest.
+# 2 MiB + 1 uses the large pool, whose misses poll the small pool's events too.
+SIZES = [1, 500, 512, 4000, 300000, MiB, 2 * MiB + 1]
+STREAMS = [A, B, C]
+JOB_OF = {A: "A", B: "B", C: "C"}
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.sampled_from(STREAMS), st.sampled_from(SIZES)),
+        st.tuples(st.just("free"), st.integers(0, 1000)),
+        st.tuples(st.just("hold"), st.sampled_from(STREAMS)),
+        st.tuples(st.just("complete"), st.sampled_from(STREAMS)),
+    ),
+    max_size=40,
+)
+
+
+class Reference:
+    """What must hold, tracked per 512-byte granule: who last owned it, and on
+    which stream it was last freed, with the first event sequence number
+    recorded there after the free (any event recorded later covers the free;
+    the simulated device says which have completed)."""
+
+    def __init__(self, alloc, job_of):
+        self.alloc = alloc
+        self.job_of = job_of
+        self.live = {}  # ptr -> (size, stream)
+        self.granules = {}  # address -> (owner job, stream freed on, covering event seq)
+        self.peaks = {}
+
+    def event_done(self, stream, seq):
+        return self.alloc.completed_event(stream) >= seq
+
+    def do_alloc(self, stream, nbytes):
+        waits_before = len(self.alloc.waits())
+        got = self.alloc.alloc_traced(nbytes, stream)
+        new_waits = self.alloc.waits()[waits_before:]
+        job = self.job_of[stream]
+        assert got.ptr % ALIGN == 0 and got.size % ALIGN == 0 and got.size >= nbytes
+        for ptr, (size, _) in self.live.items():  # live blocks never overlap
+            assert got.ptr + got.size <= ptr or ptr + size <= got.ptr
+        foreign = False
+        for address in range(got.ptr, got.ptr + got.size, ALIGN):
+            owner, freed_on, seq = self.granules.get(address, (None, None, 0))
+            foreign |= owner is not None and owner != job
+            if freed_on is not None and freed_on != stream and not self.event_done(freed_on, seq):
+                # never on another stream before its event completed or a wait was issued
+                assert any(w == stream and s == freed_on and q >= seq for w, s, q in new_waits)
+        if foreign:
+            assert got.zeroed and self.alloc.read(got.ptr, got.size) == bytes(got.size)
+        fill(self.alloc, got.ptr, got.size, 1 + STREAMS.index(stream))
+        for address in range(got.ptr, got.ptr + got.size, ALIGN):
+            self.granules[address] = (job, None, 0)
+        self.live[got.ptr] = (got.size, stream)
+        return got
+
+    def do_free(self, index):
+        if not self.live:
+            return
+        ptr = sorted(self.live)[index % len(self.live)]
+        size, stream = self.live.pop(ptr)
+        seq = self.alloc.last_event(stream) + 1
+        self.alloc.free(ptr)
+        for address in range(ptr, ptr + size, ALIGN):
+            self.granules[address] = (self.job_of[stream], stream, seq)
+
+    def do_hold(self, stream):
+        self.alloc.hold(stream)
+
+    def do_complete(self, stream):
+        self.alloc.complete(stream)
+
+    def check_stats(self):
+        stats = self.alloc.stats()
+        device = stats["device"]
+        assert device["reserved_bytes"]["current"] >= device["allocated_bytes"]["current"]
+        assert device["allocated_bytes"]["current"] == sum(s for s, _ in self.live.values())
+        assert device["fragmentation_bytes"] == (
+            device["reserved_bytes"]["current"] - device["allocated_bytes"]["current"]
+        )
+        for name, job in stats["jobs"].items():
+            mine = sum(s for s, st_ in self.live.values() if self.job_of[st_] == name)
+            assert job["allocated_bytes"]["current"] == mine
+        for key, value in [("device", device["allocated_bytes"]["peak"])] + [
+            (name, job["allocated_bytes"]["peak"]) for name, job in stats["jobs"].items()
+        ]:
+            assert value >= self.peaks.get(key, 0)  # peaks never fall
+            self.peaks[key] = value
+
+    def run(self, ops):
+        for op in ops:
+            getattr(self, "do_" + op[0])(*op[1:])
+            self.check_stats()
+        for ptr in list(self.live):
+            self.do_free(0)
+        for stream in STREAMS:
+            self.do_complete(stream)
+        self.alloc.process_events()
+        for segment in self.alloc.segments():  # freeing everything leaves each segment one block
+            assert len(segment["blocks"]) == 1
+            assert not segment["blocks"][0]["allocated"] and not segment["blocks"][0]["pending"]
+        assert self.alloc.stats()["device"]["pending_event_bytes"] == 0
+
+
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(operations)
+def test_property_three_jobs_against_the_reference(ops):
+    alloc = HostAllocator(256 * MiB)
+    for stream, job in JOB_OF.items():
+        alloc.register_stream(stream, job)
+    Reference(alloc, JOB_OF).run(ops)
+
+
+@FAST
+@given(operations)
+def test_property_reuse_within_one_job_is_never_zeroed(ops):
+    alloc = HostAllocator(256 * MiB)
+    one_job = {stream: "solo" for stream in STREAMS}
+    for stream in STREAMS:
+        alloc.register_stream(stream, "solo")
+    Reference(alloc, one_job).run(ops)
+    assert alloc.stats()["device"]["scrubbed_bytes"] == 0
+
+
+@FAST
+@given(st.lists(st.sampled_from(SIZES), min_size=1, max_size=30), st.integers(1, 4))
+def test_property_job_limit_is_exact(sizes, limit_blocks):
+    alloc = HostAllocator(256 * MiB)
+    limit = limit_blocks * 100_000
+    alloc.register_stream(A, "A", memory_limit=limit)
+    used = 0
+    for size in sizes:
+        rounded = -(-size // ALIGN) * ALIGN
+        if used + rounded > limit:
+            with pytest.raises(torch.OutOfMemoryError, match="job 'A'"):
+                alloc.alloc(size, A)
+        else:
+            alloc.alloc(size, A)
+            used += rounded
+    assert alloc.job_stats("A")["allocated_bytes"]["current"] == used
+
+
+# --- threads -------------------------------------------------------------------------
+
+
+def test_threaded_stress_keeps_every_job_s_data_intact():
+    """Correctness under contention (not a benchmark): four jobs on their own
+    streams allocate, fill, verify and free from four threads, while their
+    streams are held and completed at random."""
+    alloc = HostAllocator(512 * MiB)
+    streams = [11, 12, 13, 14]
+    for stream in streams:
+        alloc.register_stream(stream, f"job{stream}")
+    errors = []
+
+    def worker(stream):
+        rng = random.Random(stream)
+        live = []
+        try:
+            for _ in range(400):
+                if live and (len(live) > 20 or rng.random() < 0.45):
+                    ptr, size = live.pop(rng.randrange(len(live)))
+                    if alloc.read(ptr, size) != bytes([stream]) * size:
+                        errors.append(f"stream {stream}: block at {ptr:#x} was overwritten")
+                    alloc.free(ptr)
+                else:
+                    got = alloc.alloc_traced(rng.choice(SIZES + [2 * MiB]), stream)
+                    if got.zeroed and alloc.read(got.ptr, got.size) != bytes(got.size):
+                        errors.append(f"stream {stream}: zeroed block holds data")
+                    fill(alloc, got.ptr, got.size, stream)
+                    live.append((got.ptr, got.size))
+                if rng.random() < 0.05:
+                    alloc.hold(stream)
+                elif rng.random() < 0.1:
+                    alloc.complete(stream)
+            for ptr, _ in live:
+                alloc.free(ptr)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for stream in streams:
+        alloc.complete(stream)
+    alloc.process_events()
+    stats = alloc.stats()
+    assert stats["device"]["allocated_bytes"]["current"] == 0
+    assert all(len(segment["blocks"]) == 1 for segment in alloc.segments())
+    assert sum(stats["rules"].values()) == stats["device"]["allocations"]["allocated"]

@@ -1,0 +1,199 @@
+"""The memory-flow allocator on CUDA: the CUDA translation units compile against
+the installed torch's headers and the machine's CUDA headers (no GPU needed), and,
+on a GPU, the allocator installed into PyTorch serves real training.
+
+GPU tests run each scenario in a fresh interpreter, because the allocator must
+be installed before CUDA is initialised and this test process may already have
+done so. Run them alone with: PYTHONPATH=$PWD python -m pytest -q -m gpu tests/test_allocator_cuda.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from wwrun.allocator import source_dir
+
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(
+    not (CUDA_HOME / "include" / "cuda_runtime_api.h").is_file(), reason="no CUDA headers"
+)
+def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path):
+    from torch.utils import cpp_extension
+
+    includes = cpp_extension.include_paths() + [
+        sysconfig.get_paths()["include"],
+        str(CUDA_HOME / "include"),
+        str(source_dir()),
+    ]
+    # CPU wheels ship c10/cuda headers but not this one, generated at build time;
+    # CUDA wheels have it with the same content.
+    macros = Path(includes[0]) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    if not macros.is_file():
+        shim = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        shim.parent.mkdir(parents=True)
+        shim.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        includes.append(str(tmp_path))
+    # C++20, as torch.utils.cpp_extension builds extensions for torch 2.13.
+    flags = ["-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=check"]
+    flags += [f"-I{path}" for path in includes]
+
+    def compile_one(name):
+        cmd = ["g++", *flags, str(source_dir() / name)]
+        return name, subprocess.run(cmd, capture_output=True, text=True)
+
+    units = ["allocator_core.cpp", "cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, result in pool.map(compile_one, units):
+            assert result.returncode == 0, f"{name}:\n{result.stderr[-4000:]}"
+
+
+def test_install_and_job_functions_give_clear_errors():
+    import torch
+
+    import wwrun.allocator as wa
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        wa.install("cpu")
+    with pytest.raises(RuntimeError, match="not installed"):
+        wa.register_stream(0, "A")
+    with pytest.raises(RuntimeError, match="not installed"):
+        wa.stats()
+    if torch.version.cuda is None:  # never install into this test process on a GPU build
+        with pytest.raises(RuntimeError, match="no CUDA support"):
+            wa.install()
+    assert not wa.is_installed()
+
+
+def run_fresh(body: str) -> dict:
+    """Runs `body` in a new interpreter after installing the allocator; the
+    script prints one JSON object as its last line."""
+    script = "import json, threading, torch\nimport wwrun.allocator as wa\nwa.install()\n"
+    script += textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_training_step_and_torch_memory_functions_under_the_allocator():
+    out = run_fresh("""
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(64, 512, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+        losses = []
+        for _ in range(5):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+        side = torch.cuda.Stream()
+        t = torch.empty(1 << 20, device="cuda"); t.record_stream(side); del t
+        allocated = torch.cuda.memory_allocated()
+        peak = torch.cuda.max_memory_allocated()
+        stats = torch.cuda.memory_stats()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.empty_cache()
+        print(json.dumps({"losses": losses, "allocated": allocated, "peak": peak,
+                          "reserved": torch.cuda.memory_reserved(),
+                          "stats_allocated": stats["allocated_bytes.all.current"],
+                          "mine": wa.stats()["device"]["allocated_bytes"]["current"]}))
+    """)
+    assert out["losses"][-1] < out["losses"][0]
+    assert 0 < out["allocated"] <= out["peak"] and out["allocated"] == out["stats_allocated"]
+    assert out["reserved"] >= out["mine"] > 0
+
+
+@pytest.mark.gpu
+def test_two_job_streams_reuse_each_other_s_memory_with_rule_c():
+    out = run_fresh("""
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        with torch.cuda.stream(s1):
+            x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(200_000_000)  # keeps s1 busy: the free's event stays pending
+            ptr = x.data_ptr(); del x
+        with torch.cuda.stream(s2):
+            y = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        print(json.dumps({"same": y.data_ptr() == ptr, "rules": wa.stats()["rules"]}))
+    """)
+    assert out["same"] and out["rules"]["c"] >= 1
+
+
+@pytest.mark.gpu
+def test_cudnn_benchmark_mode_works():
+    out = run_fresh("""
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(3, 16, 3).cuda()
+        out = conv(torch.randn(8, 3, 64, 64, device="cuda")); out.sum().backward()
+        print(json.dumps({"shape": list(out.shape)}))
+    """)
+    assert out["shape"] == [8, 16, 62, 62]
+
+
+@pytest.mark.gpu
+def test_memory_allocated_reports_each_job_s_own_figures():
+    out = run_fresh("""
+        results = {}
+        def job(name, nbytes):
+            stream = torch.cuda.Stream()
+            wa.register_stream(stream, name)
+            with torch.cuda.stream(stream):
+                t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                results[name] = torch.cuda.memory_allocated()
+                barrier.wait()
+                barrier.wait()
+        barrier = threading.Barrier(3)
+        threads = [threading.Thread(target=job, args=a) for a in (("A", 3 << 20), ("B", 5 << 20))]
+        for t in threads: t.start()
+        barrier.wait(); results["main"] = torch.cuda.memory_allocated(); barrier.wait()
+        for t in threads: t.join()
+        print(json.dumps(results))
+    """)
+    assert out == {"A": 3 << 20, "B": 5 << 20, "main": 8 << 20}
+
+
+@pytest.mark.gpu
+def test_a_job_never_reads_memory_another_job_freed():
+    out = run_fresh("""
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        n = 16 << 20
+        with torch.cuda.stream(s1):
+            secret = torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device="cuda")
+            ptr = secret.data_ptr(); del secret
+        with torch.cuda.stream(s2):
+            seen = torch.empty(n, dtype=torch.int32, device="cuda")
+            zeros = bool((seen == 0).all())
+        print(json.dumps({"same": seen.data_ptr() == ptr, "zeros": zeros,
+                          "scrubbed": wa.job_stats("B")["scrubbed_bytes"]}))
+    """)
+    assert out["same"] and out["zeros"] and out["scrubbed"] >= 64 << 20
+
+
+@pytest.mark.gpu
+def test_a_job_over_its_limit_alone_gets_out_of_memory():
+    out = run_fresh("""
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A", memory_limit=1 << 20); wa.register_stream(s2, "B")
+        with torch.cuda.stream(s1):
+            try:
+                torch.empty(2 << 20, dtype=torch.uint8, device="cuda"); message = ""
+            except torch.OutOfMemoryError as error:
+                message = str(error)
+        with torch.cuda.stream(s2):
+            ok = torch.ones(4 << 20, device="cuda").sum().item() == 4 << 20
+        print(json.dumps({"message": message, "other_ok": ok}))
+    """)
+    assert "job 'A'" in out["message"] and "limit" in out["message"] and out["other_ok"]

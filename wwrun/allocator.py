@@ -1,0 +1,321 @@
+"""The memory-flow allocator's Python face.
+
+The allocator itself is C++ (`csrc/allocator/`, policy a-g at the top of
+`waterwave_allocator.h`), built at first use against the installed torch with
+`torch.utils.cpp_extension.load` (cached under torch's extension folder):
+
+- `HostAllocator`: the allocator on host memory with simulated streams and events,
+  for tests and the host benchmark; needs no CUDA.
+- `install()`: replaces PyTorch's CUDA caching allocator, before any CUDA work.
+  Then `register_stream` / `unregister_job` (called by the launcher from each
+  job's thread), `stats`, `job_stats`, `set_expected_releases` (rule f, called by
+  the scheduler).
+
+Reference: Waterwave (IEEE TC 72(10), 2023), the synchronization-state-aware
+allocator; PyTorch's `c10/cuda/CUDACachingAllocator.h`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "AllocationTrace",
+    "HostAllocator",
+    "install",
+    "is_installed",
+    "job_stats",
+    "register_stream",
+    "set_expected_releases",
+    "source_dir",
+    "stats",
+    "unregister_job",
+]
+
+_CORE_SOURCES = ["allocator_core.cpp"]
+_HOST_SOURCES = ["host_backend.cpp", "host_bindings.cpp"]
+_CUDA_SOURCES = ["cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
+_CXX_FLAGS = ["-O3", "-Wall"]  # the language standard is torch's choice
+DEFAULT_RELEASE_WAIT_S = 2.0
+
+_build_lock = threading.Lock()
+_modules: dict[str, object] = {}
+
+
+def source_dir() -> Path:
+    """The allocator's C++ sources: `csrc/allocator` of a checkout, or the copy
+    installed as package data (`wwrun/csrc/allocator`) by a non-editable install."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc" / "allocator", here.parent / "csrc" / "allocator"):
+        if (candidate / "waterwave_allocator.h").is_file():
+            return candidate
+    raise RuntimeError(
+        f"wwrun allocator: C++ sources not found next to {here} "
+        "(expected csrc/allocator in the checkout or in the installed package)"
+    )
+
+
+def _extension(kind: str):
+    """The compiled module for `kind` ("host" or "cuda"), built once per process
+    (and once per source change on disk)."""
+    with _build_lock:
+        if kind not in _modules:
+            from torch.utils import cpp_extension
+
+            src = source_dir()
+            names = _CORE_SOURCES + (_HOST_SOURCES if kind == "host" else _CUDA_SOURCES)
+            _modules[kind] = cpp_extension.load(
+                name=f"wwrun_allocator_{kind}",
+                sources=[str(src / name) for name in names],
+                extra_cflags=_CXX_FLAGS,
+                extra_include_paths=[str(src)],
+                with_cuda=kind == "cuda",
+                verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
+            )
+        return _modules[kind]
+
+
+def _check_job(job: str) -> str:
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"job must be a non-empty string, got {job!r}")
+    return job
+
+
+def _check_bytes(value: int | None, name: str = "memory_limit") -> int:
+    """A positive byte count; None becomes 0, which means "no limit" to the C++ side."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    return value
+
+
+def _expected_jobs(jobs: Iterable[str] | Mapping[str, int]) -> list[str]:
+    """Job names from a list of names or a {job: bytes about to be freed} map."""
+    if isinstance(jobs, Mapping):
+        return [_check_job(job) for job, nbytes in jobs.items() if nbytes > 0]
+    if isinstance(jobs, str):
+        raise ValueError("expected releases must be a list of job names or a {job: bytes} map")
+    return [_check_job(job) for job in jobs]
+
+
+def _check_wait(timeout_s: float) -> float:
+    if not timeout_s >= 0:
+        raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _job_view(snapshot: dict, job: str) -> dict:
+    try:
+        return snapshot["jobs"][job]
+    except KeyError:
+        raise ValueError(f"unknown job {job!r}; known: {sorted(snapshot['jobs'])}") from None
+
+
+class AllocationTrace(NamedTuple):
+    """What one host allocation did: the rule (a-g) that served it, whether the
+    block was zeroed (cross-job) and whether the stream was made to wait on
+    another stream's event (rule c)."""
+
+    ptr: int
+    size: int
+    rule: str
+    zeroed: bool
+    waited: bool
+
+
+class HostAllocator:
+    """The memory-flow allocator on host memory, with simulated streams.
+
+    Streams are small integers; stream 0 and any unregistered stream belong to
+    the job "default". An event recorded on a stream completes at once unless the
+    stream is held (`hold`), in which case it stays pending until `complete`.
+    `capacity` is the simulated device's memory in bytes; `reserved_limit`
+    optionally caps the bytes of segments the allocator may hold.
+    """
+
+    def __init__(self, capacity: int, *, reserved_limit: int | None = None):
+        self._impl = _extension("host").HostAllocator(
+            _check_bytes(capacity, "capacity"), _check_bytes(reserved_limit, "reserved_limit")
+        )
+
+    # allocation -------------------------------------------------------------
+    def alloc(self, nbytes: int, stream: int = 0) -> int:
+        """Address of a new block of at least `nbytes` bytes, used on `stream`.
+        Raises torch.OutOfMemoryError (rule g)."""
+        return self.alloc_traced(nbytes, stream).ptr
+
+    def alloc_traced(self, nbytes: int, stream: int = 0) -> AllocationTrace:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return AllocationTrace(*self._impl.allocate(nbytes, stream))
+
+    def free(self, ptr: int) -> None:
+        """Frees a block; raises ValueError for an address this allocator did not give."""
+        self._impl.free(ptr)
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """The block is also used on `stream` (like Tensor.record_stream)."""
+        self._impl.record_stream(ptr, stream)
+
+    # jobs -------------------------------------------------------------------
+    def register_stream(self, stream: int, job: str, memory_limit: int | None = None) -> None:
+        self._impl.register_stream(stream, _check_job(job), _check_bytes(memory_limit))
+
+    def unregister_job(self, job: str) -> None:
+        if not self._impl.unregister_job(_check_job(job)):
+            raise ValueError(f"unknown job {job!r}")
+
+    def set_expected_releases(
+        self, jobs: Iterable[str] | Mapping[str, int], timeout_s: float = DEFAULT_RELEASE_WAIT_S
+    ) -> None:
+        """Rule f: these jobs are about to free memory; an allocation that would
+        fail waits up to `timeout_s` for frees before failing. [] turns it off."""
+        self._impl.set_expected_releases(_expected_jobs(jobs), _check_wait(timeout_s))
+
+    # simulated device -------------------------------------------------------
+    def hold(self, stream: int) -> None:
+        """Events recorded on `stream` from now on stay pending."""
+        self._impl.hold(stream)
+
+    def complete(self, stream: int) -> None:
+        """Completes every event recorded on `stream` and releases the hold."""
+        self._impl.complete(stream)
+
+    def last_event(self, stream: int) -> int:
+        """Sequence number of the last event recorded on `stream` (0: none)."""
+        return self._impl.last_seq(stream)
+
+    def completed_event(self, stream: int) -> int:
+        """Sequence number up to which `stream`'s events have completed."""
+        return self._impl.completed_seq(stream)
+
+    def waits(self) -> list[tuple[int, int, int]]:
+        """Device-side waits issued: (waiting stream, event's stream, event's sequence)."""
+        return self._impl.waits()
+
+    def process_events(self) -> None:
+        self._impl.process_events()
+
+    def empty_cache(self) -> int:
+        """Releases wholly free segments (rule e on demand); returns the bytes released."""
+        return self._impl.empty_cache()
+
+    def write(self, ptr: int, data: bytes) -> None:
+        self._impl.write(ptr, data)
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return self._impl.read(ptr, nbytes)
+
+    # figures ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """{'device': {...}, 'rules': {'a': n, ... 'g': n}, 'jobs': {name: {...}}};
+        byte figures as {current, peak, allocated, freed}."""
+        return self._impl.snapshot()
+
+    def job_stats(self, job: str) -> dict:
+        return _job_view(self.stats(), _check_job(job))
+
+    def segments(self) -> list[dict]:
+        """Each segment with its blocks in address order."""
+        return self._impl.segments()
+
+    def reset_peak_stats(self, job: str | None = None) -> None:
+        """Peaks back to current figures: one job's, or (None) the device's and every job's."""
+        if job is None:
+            self._impl.reset_peak(None)
+            return
+        job_id = self._impl.find_job(_check_job(job))
+        if job_id is None:
+            raise ValueError(f"unknown job {job!r}")
+        self._impl.reset_peak(job_id)
+
+    def benchmark_trace(self, sizes: list[int], window: int, repeats: int, stream: int = 0) -> float:
+        """Seconds for `repeats` passes of alloc/free pairs over `sizes`, keeping
+        `window` blocks live; the loop runs in C++."""
+        if window < 1 or repeats < 1:
+            raise ValueError("window and repeats must be >= 1")
+        return self._impl.benchmark_trace(sizes, window, repeats, stream)
+
+
+# --------------------------------------------------------------------------
+# CUDA: PyTorch's allocator
+# --------------------------------------------------------------------------
+
+
+def install(device: str | torch.device = "cuda") -> None:
+    """Builds the CUDA allocator and installs it as PyTorch's CUDA allocator.
+
+    Must run before any CUDA work in the process; idempotent afterwards.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the allocator is installed for a CUDA device, got {str(device)!r}")
+    if _modules.get("cuda") is not None and _modules["cuda"].installed():
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "wwrun allocator: CUDA is already initialised in this process; call "
+            "wwrun.allocator.install() before any CUDA work"
+        )
+    if torch.version.cuda is None:
+        raise RuntimeError("wwrun allocator: this torch build has no CUDA support")
+    _extension("cuda").install()
+
+
+def is_installed() -> bool:
+    module = _modules.get("cuda")
+    return module is not None and module.installed()
+
+
+def _cuda():
+    if not is_installed():
+        raise RuntimeError("wwrun allocator: not installed; call wwrun.allocator.install() first")
+    return _modules["cuda"]
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index or 0
+
+
+def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
+    """Binds a job's CUDA stream (torch.cuda.Stream or its cuda_stream integer) to
+    `job`; allocations on it count to the job and obey its `memory_limit` bytes."""
+    module = _cuda()
+    handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)
+    device = stream.device.index if hasattr(stream, "device") else torch.cuda.current_device()
+    module.register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
+
+
+def unregister_job(job: str, device=None) -> None:
+    if not _cuda().unregister_job(_device_index(device), _check_job(job)):
+        raise ValueError(f"unknown job {job!r}")
+
+
+def set_expected_releases(
+    jobs: Iterable[str] | Mapping[str, int],
+    timeout_s: float = DEFAULT_RELEASE_WAIT_S,
+    device=None,
+) -> None:
+    """Rule f, for the scheduler: these jobs are about to free memory."""
+    _cuda().set_expected_releases(_device_index(device), _expected_jobs(jobs), _check_wait(timeout_s))
+
+
+def stats(device=None) -> dict:
+    """Device totals, per-job figures, rule counters, pending-event bytes and
+    fragmentation, as a plain dict (see HostAllocator.stats)."""
+    return _cuda().snapshot(_device_index(device))
+
+
+def job_stats(job: str, device=None) -> dict:
+    return _job_view(stats(device), _check_job(job))
