@@ -88,7 +88,7 @@ def test_report_and_events(tmp_path):
 
 
 def test_earliest_failure_is_the_root_cause(tmp_path):
-    result = run(tmp_path, ending("late", "exit3", 0.6), ending("early", "raise", 0.1), ending("fine"))
+    result = run(tmp_path, ending("late", "exit3", 1.5), ending("early", "raise", 0.1), ending("fine"))
     assert result.root_cause == "early"
     assert result.exit_code == 1
     assert result.is_failed()

@@ -201,6 +201,7 @@ class _Runner:
         self._events = _EventLog(config.events, config.run_id)
         self._children_before: set[int] = set()
         self.started = time.time()
+        self.allocator = self._install_allocator()
 
     # -- the run ------------------------------------------------------------------
 
@@ -295,7 +296,7 @@ class _Runner:
         code, error = 0, None
         try:
             isolation.enter(ctx)
-            self._prepare_device()
+            self._prepare_device(job)
             _run_code(job.spec, ctx)
         except BaseException as exc:  # noqa: BLE001 - every way a script can end
             code, error = _outcome(exc, ctx)
@@ -315,17 +316,47 @@ class _Runner:
                     pass
             ctx.stdin.close()
             isolation.leave()
+        self._release_device(job)
         with self._cond:
             if not job.result.state.is_final:
                 self._finish(job, code, error)
             self._cond.notify_all()
 
-    def _prepare_device(self) -> None:
-        if self.device == "cuda":
-            import torch
+    def _install_allocator(self) -> str | None:
+        """On CUDA, the memory-flow allocator (built at first use), before any CUDA
+        work; PyTorch's own when it cannot be had, said once."""
+        if self.device != "cuda":
+            return None
+        from wwrun import allocator
 
-            # Each job on its own stream: the legacy default stream would serialize them.
-            torch.cuda.set_stream(torch.cuda.Stream())
+        try:
+            allocator.install()
+        except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
+            self.display.note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
+            return "native"
+        return "waterwave"
+
+    def _prepare_device(self, job: _Job) -> None:
+        if self.device != "cuda":
+            return
+        import torch
+
+        # Each job on its own stream: the legacy default stream would serialize them,
+        # and the allocator tells jobs apart by stream.
+        stream = torch.cuda.Stream()
+        if self.allocator == "waterwave":
+            from wwrun import allocator
+            from wwrun.config import resolve_size
+
+            capacity = torch.cuda.get_device_properties(stream.device).total_memory
+            allocator.register_stream(stream, job.spec.name, resolve_size(job.spec.memory_limit, capacity))
+        torch.cuda.set_stream(stream)
+
+    def _release_device(self, job: _Job) -> None:
+        if self.allocator == "waterwave":
+            from wwrun import allocator
+
+            allocator.unregister_job(job.spec.name)
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -351,6 +382,10 @@ class _Runner:
 
     def _result(self) -> RunResult:
         results = [job.result for job in self.jobs]
+        for result in results:
+            figures = self._allocator_figures(result.name)
+            if figures:
+                result.extra["peak_memory_bytes"] = figures["peak"]
         failures = [r for r in results if r.exit_code not in (0, None)]
         failures.sort(key=lambda r: r.ended or float("inf"))
         cancelled = any(r.state == JobState.CANCELLED for r in results)
@@ -360,6 +395,7 @@ class _Runner:
             run_id=self.config.run_id, device=self.device, policy=self.policy, jobs=results,
             started=self.started, ended=time.time(), log_dir=str(self.run_dir),
             exit_code=exit_code, root_cause=root.name if root else None,
+            extra={"allocator": self.allocator} if self.allocator else {},
         )
 
     @property
@@ -396,7 +432,18 @@ class _Runner:
 
     def memory_of(self, name: str) -> int | None:
         """A job's current memory, for the live table; None while unknown."""
-        return None
+        figures = self._allocator_figures(name)
+        return figures["current"] if figures else None
+
+    def _allocator_figures(self, name: str) -> dict | None:
+        if self.allocator != "waterwave":
+            return None
+        from wwrun import allocator
+
+        try:
+            return allocator.job_stats(name)["allocated_bytes"]
+        except ValueError:  # not registered yet
+            return None
 
     @property
     def stuck_jobs(self) -> list[str]:
