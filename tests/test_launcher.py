@@ -218,3 +218,22 @@ def test_explicit_omp_num_threads_is_left_alone(tmp_path, monkeypatch):
     result = run(tmp_path, JobSpec(name="a", script=script), JobSpec(name="b", script=script))
     for job in result.jobs:
         assert (Path(job.log_dir) / "stdout.log").read_text().strip() == f"threads={torch.get_num_threads()}"
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_job_sees_its_own_memory_figures(tmp_path):
+    script = str(SCRIPTS / "cuda_memory.py")
+    result = run(
+        tmp_path,
+        JobSpec(name="small", script=script, args=["64"]),
+        JobSpec(name="large", script=script, args=["256"]),
+        device="cuda",
+        policy="concurrent",
+    )
+    assert result.exit_code == 0, (Path(result.jobs[0].log_dir) / "stderr.log").read_text()
+    assert result.extra["allocator"] == "waterwave"
+    for job, mib in zip(result.jobs, (64, 256)):
+        line = (Path(job.log_dir) / "stdout.log").read_text()
+        allocated = int(line.split("allocated=")[1].split()[0])
+        assert mib * 2**20 <= allocated < (mib + 16) * 2**20  # its own, not the sum
+        assert job.extra["peak_memory_bytes"] >= mib * 2**20
