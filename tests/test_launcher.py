@@ -87,6 +87,13 @@ def test_report_and_events(tmp_path):
     assert again.jobs[1].args == ["exit3", "0.0"]
 
 
+def test_a_missing_script_fails_like_python_does(tmp_path):
+    result = run(tmp_path, JobSpec(name="gone", script=str(tmp_path / "gone.py")), ending("fine"))
+    gone, fine = result.jobs
+    assert (gone.state, gone.exit_code, fine.exit_code) == (JobState.FAILED, 2, 0)
+    assert "can't open file" in (Path(gone.log_dir) / "stderr.log").read_text()
+
+
 def test_earliest_failure_is_the_root_cause(tmp_path):
     result = run(tmp_path, ending("late", "exit3", 1.5), ending("early", "raise", 0.1), ending("fine"))
     assert result.root_cause == "early"

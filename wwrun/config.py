@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import time
 import uuid
@@ -142,6 +143,8 @@ class JobSpec:
             )
         if (self.script is None) == (self.module is None):
             raise ConfigError("script", "give exactly one of 'script' and 'module'")
+        if self.script is not None:  # as python does: relative to where it starts
+            self.script = os.path.abspath(self.script)
         if not all(isinstance(a, str) for a in self.args):
             raise ConfigError("args", "every argument must be a string")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):

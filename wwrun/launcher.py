@@ -515,8 +515,13 @@ def _run_code(spec: JobSpec, ctx: isolation.JobContext) -> None:
     main = ctx.main
     main.__dict__.update(__builtins__=builtins, __package__=None, __cached__=None)
     if spec.script is not None:
-        with io.open_code(spec.script) as f:
-            code = compile(f.read(), spec.script, "exec", dont_inherit=True)
+        try:
+            with io.open_code(spec.script) as f:
+                source = f.read()
+        except OSError as err:  # what python itself says, and its exit code
+            print(f"wwrun: can't open file {spec.script!r}: [Errno {err.errno}] {err.strerror}", file=ctx.stderr)
+            raise SystemExit(2) from None
+        code = compile(source, spec.script, "exec", dont_inherit=True)
         main.__dict__.update(__file__=spec.script, __spec__=None, __loader__=None)
     else:
         module_spec = isolation.find_spec(ctx, spec.module)
