@@ -47,6 +47,8 @@ def test_options_become_config_fields():
     assert (cfg.device, cfg.memory_limit, cfg.policy, cfg.max_concurrent) == ("cpu", 2 * 1024**3, "sequential", 2)
     assert (cfg.log_dir, cfg.tee, cfg.report, cfg.events, cfg.quiet) == ("/tmp/x", True, "r.json", "-", True)
     assert config("--memory-limit", "80%", A).memory_limit == pytest.approx(0.8)
+    cfg = config("--queue", "las", "--nodegroups", "4", "--explain", "--trace", "t.json", "--memory-plot", "m.png", A)
+    assert (cfg.queue, cfg.nodegroups, cfg.explain, cfg.trace, cfg.memory_plot) == ("las", 4, True, "t.json", "m.png")
     assert config(A, ":", B).resolved_policy == "waterwave"
     assert config(A).resolved_policy == "concurrent"
 

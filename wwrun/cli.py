@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from wwrun import __version__
-from wwrun.config import DEVICES, POLICIES, ConfigError, JobSpec, LaunchConfig, parse_size
+from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size
 
 _SEPARATOR = ":"
 
@@ -39,10 +39,15 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--memory-limit", metavar="SIZE", help="device memory the run may use: 2GiB, 512MB, 80%%")
     add("--policy", choices=POLICIES, help="waterwave (default for several jobs), concurrent or sequential")
     add("--max-concurrent", type=int, metavar="N", help="run at most N jobs at once")
+    add("--queue", choices=QUEUES, help="order of waiting jobs: fifo (default) or las (least attained service)")
+    add("--nodegroups", type=int, metavar="N", help="NodeGroups per model (default: automatic)")
     add("--log-dir", metavar="DIR", help="where logs go (default: wwrun_logs)")
     add("--tee", action="store_const", const=True, help="echo every job line to the terminal")
     add("--report", metavar="FILE.json", help="write the run's JSON report")
     add("--events", metavar="FILE|-", help="write a JSON line per job state change")
+    add("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of NodeGroups, waits and memory")
+    add("--memory-plot", metavar="FILE.png", help="plot memory per job over time against the limit")
+    add("--explain", action="store_const", const=True, help="print each job's NodeGroups after the run")
     add("--dry-run", action="store_true", help="print the resolved jobs as a recipe and run nothing")
     add("--quiet", action="store_const", const=True, help="print the summary only")
     add("--version", action="version", version=f"wwrun {__version__}")
@@ -76,11 +81,16 @@ def _options(args: argparse.Namespace) -> dict:
         "memory_limit": args.memory_limit,
         "policy": args.policy,
         "max_concurrent": args.max_concurrent,
+        "queue": args.queue,
+        "nodegroups": args.nodegroups,
         "log_dir": args.log_dir,
         "tee": args.tee,
         "report": args.report,
         "events": args.events,
         "quiet": args.quiet,
+        "explain": args.explain,
+        "trace": args.trace,
+        "memory_plot": args.memory_plot,
     }
     if args.memory_limit is not None:
         try:

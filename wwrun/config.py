@@ -201,6 +201,12 @@ class LaunchConfig:
     """Write one JSON line per job state change to this file ('-' for stdout)."""
     quiet: bool = False
     """No live table and no job output on the terminal; the summary only."""
+    explain: bool = False
+    """Print each job's NodeGroups (modules and bytes) after the run."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace (JSON): NodeGroup spans, waits, memory counters."""
+    memory_plot: str | None = None
+    """Write a PNG of memory over time per job against the limit (needs matplotlib)."""
     run_id: str = field(default_factory=new_run_id)
     """Names the run's log folder."""
     grace_period_s: float = 10.0

@@ -42,7 +42,7 @@ from wwrun.config import ConfigError, JobSpec, LaunchConfig, closest, parse_size
 TOP_KEYS = ("defaults", "jobs")
 OPTION_KEYS = (
     "device", "memory_limit", "policy", "max_concurrent", "queue", "nodegroups",
-    "log_dir", "tee", "report", "events", "quiet",
+    "log_dir", "tee", "report", "events", "quiet", "explain", "trace", "memory_plot",
 )
 JOB_KEYS = (
     "name", "script", "module", "args", "env", "cwd", "priority", "memory_limit",
@@ -182,8 +182,9 @@ def _read_options(defaults, where: str) -> dict:
     _check_keys(defaults, OPTION_KEYS, where)
     checks = {
         "device": _text, "policy": _text, "queue": _text, "log_dir": _text,
-        "report": _text, "events": _text, "memory_limit": _size,
+        "report": _text, "events": _text, "trace": _text, "memory_plot": _text, "memory_limit": _size,
         "max_concurrent": _integer, "nodegroups": _integer, "tee": _boolean, "quiet": _boolean,
+        "explain": _boolean,
     }
     return {
         key: checks[key](value, f"{where}.{key}")
