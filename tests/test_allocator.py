@@ -615,7 +615,8 @@ def test_property_job_limit_is_exact(sizes, limit_blocks):
 def test_threaded_stress_keeps_every_job_s_data_intact():
     """Correctness under contention (not a benchmark): four jobs on their own
     streams allocate, fill, verify and free from four threads, while their
-    streams are held and completed at random."""
+    streams are held and completed at random, and a fifth thread scrubs their
+    free blocks in batches (zeroing a live block would show as overwritten)."""
     alloc = HostAllocator(512 * MiB)
     streams = [11, 12, 13, 14]
     for stream in streams:
@@ -647,13 +648,30 @@ def test_threaded_stress_keeps_every_job_s_data_intact():
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             errors.append(repr(error))
 
+    workers_done = threading.Event()
+
+    def scrubber():
+        try:
+            while not workers_done.is_set():
+                for stream in streams:
+                    ranges = alloc.take_dirty_blocks(f"job{stream}")
+                    for ptr, size in ranges:
+                        alloc.write(ptr, bytes(size))  # the launch's part
+                    alloc.finish_scrub(ranges)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(error))
+
     threads = [threading.Thread(target=worker, args=(s,)) for s in streams]
-    for thread in threads:
+    scrubbing = threading.Thread(target=scrubber)
+    for thread in threads + [scrubbing]:
         thread.start()
     for thread in threads:
         thread.join()
+    workers_done.set()
+    scrubbing.join()
     assert errors == []
-    for stream in streams:
+    assert alloc.stats()["device"]["scrub_batches"] > 0
+    for stream in streams + [SCRUB]:
         alloc.complete(stream)
     alloc.process_events()
     stats = alloc.stats()
