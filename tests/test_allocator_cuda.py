@@ -188,12 +188,15 @@ def test_an_ended_job_s_memory_is_scrubbed_in_one_batch_and_reused_without_memse
     launch on the scrub stream when A ends; B then takes the block without a
     memset, by rule c while the scrub (held behind A's busy stream) is pending."""
     out = run_fresh("""
+        from triton_kernels import zero_ranges_
+        warm = torch.ones(1024, device="cuda")  # compile the kernel before timing matters
+        zero_ranges_([warm.data_ptr()], [4096], "cuda"); torch.cuda.synchronize()
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
         n = 16 << 20  # int32: 64 MiB, a segment of its own
         with torch.cuda.stream(s1):
             secret = torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device="cuda")
-            torch.cuda._sleep(200_000_000)  # A is still busy with the block when it is freed
+            torch.cuda._sleep(1_000_000_000)  # A is still busy with the block when it is freed
             ptr = secret.data_ptr(); del secret
         wa.unregister_job("A")  # the launcher calls it from A's thread; the host does not wait
         with torch.cuda.stream(s2):
