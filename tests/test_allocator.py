@@ -290,6 +290,27 @@ def test_without_triton_an_ended_job_s_blocks_are_zeroed_at_hand_out(monkeypatch
     assert (device["scrubbed_bytes"], device["batch_scrubbed_bytes"]) == (got.size, 0)
 
 
+def test_a_failed_scrub_launch_warns_and_leaves_the_blocks_to_hand_out_zeroing(monkeypatch):
+    import triton_kernels
+
+    import wwrun.allocator
+
+    def launch_fails(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(triton_kernels, "zero_ranges_", launch_fails)
+    monkeypatch.setattr(wwrun.allocator, "_batched_scrub_failed", False)  # restored after
+    alloc = two_jobs()
+    secret = a_secret(alloc)
+    alloc.free(secret.ptr)
+    with pytest.warns(RuntimeWarning, match="batched scrub failed .no compiler."):
+        alloc.unregister_job("A")
+    assert not any(b["in_scrub"] for s in alloc.segments() for b in s["blocks"])
+    got = alloc.alloc_traced(secret.size, B)
+    assert (got.ptr, got.zeroed) == (secret.ptr, True)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+
+
 # --- record_stream, jobs, input --------------------------------------------------
 
 

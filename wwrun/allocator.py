@@ -139,16 +139,17 @@ def _batched_zeroing(device_type: str):
     return zero_ranges_ if interpreting() == (device_type == "cpu") else None
 
 
-def _scrub_in_one_launch(impl, job: str, device: torch.device, scrub_stream: int, stream=None) -> int:
-    """Note [Batched scrub]: takes `job`'s dirty free blocks out of the pools,
-    zeroes them in one launch on the scrub stream, and returns them clean behind
-    an event recorded there. `impl` has take_dirty_blocks / finish_scrub with the
-    leading arguments already bound. Returns the bytes scrubbed."""
+def _scrub_in_one_launch(take, finish, device: torch.device, stream=None) -> int:
+    """Note [Batched scrub]: `take()` moves a job's dirty free blocks out of the
+    pools and returns them as (addresses, byte counts); they are zeroed in one
+    launch on the scrub stream (`stream`; None: the host's), then `finish(ptrs,
+    zeroed)` returns them clean behind an event recorded there. Returns the bytes
+    scrubbed."""
     global _batched_scrub_failed
     zero_ranges_ = _batched_zeroing(device.type)
     if zero_ranges_ is None:
         return 0
-    ptrs, sizes = impl.take_dirty_blocks(job, scrub_stream)
+    ptrs, sizes = take()
     if not ptrs:
         return 0
     zeroed = False
@@ -165,7 +166,7 @@ def _scrub_in_one_launch(impl, job: str, device: torch.device, scrub_stream: int
             stacklevel=3,
         )
     finally:
-        impl.finish_scrub(ptrs, scrub_stream, zeroed)
+        finish(ptrs, zeroed)
     return sum(sizes) if zeroed else 0
 
 
@@ -235,7 +236,12 @@ class HostAllocator:
     def scrub_job(self, job: str) -> int:
         """Zeroes `job`'s dirty free blocks in one `zero_ranges_` launch on
         `SCRUB_STREAM` and returns them clean; the bytes scrubbed (0 without Triton)."""
-        return _scrub_in_one_launch(self._impl, _check_job(job), torch.device("cpu"), self.SCRUB_STREAM)
+        job = _check_job(job)
+        return _scrub_in_one_launch(
+            lambda: self._impl.take_dirty_blocks(job, self.SCRUB_STREAM),
+            lambda ptrs, zeroed: self._impl.finish_scrub(ptrs, self.SCRUB_STREAM, zeroed),
+            torch.device("cpu"),
+        )
 
     def take_dirty_blocks(self, job: str) -> list[tuple[int, int]]:
         """Step 1 of a batched scrub: `job`'s dirty free blocks as (address, bytes),
@@ -388,19 +394,6 @@ def _scrub_stream(device: int) -> torch.cuda.Stream:
         return _scrub_streams[device]
 
 
-class _DeviceCore:
-    """The CUDA module's scrub functions for one device, shaped as the host's."""
-
-    def __init__(self, module, device: int):
-        self.module, self.device = module, device
-
-    def take_dirty_blocks(self, job, scrub_stream):
-        return self.module.take_dirty_blocks(self.device, job, scrub_stream)
-
-    def finish_scrub(self, ptrs, scrub_stream, zeroed):
-        self.module.finish_scrub(self.device, ptrs, scrub_stream, zeroed)
-
-
 def unregister_job(job: str, device=None) -> None:
     """The job ended (called from its thread after its script): unbinds its
     streams and scrubs its dirty free blocks in one launch on the device's scrub
@@ -409,8 +402,12 @@ def unregister_job(job: str, device=None) -> None:
     if not module.unregister_job(index, _check_job(job)):
         raise ValueError(f"unknown job {job!r}")
     stream = _scrub_stream(index)
+    handle = stream.cuda_stream
     _scrub_in_one_launch(
-        _DeviceCore(module, index), job, torch.device("cuda", index), stream.cuda_stream, stream
+        lambda: module.take_dirty_blocks(index, job, handle),
+        lambda ptrs, zeroed: module.finish_scrub(index, ptrs, handle, zeroed),
+        torch.device("cuda", index),
+        stream,
     )
 
 
