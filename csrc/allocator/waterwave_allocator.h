@@ -68,7 +68,8 @@
 // event, as the policy says.
 //
 // Note [Batched scrub]: zeroing at hand-out costs one memset per block, on the
-// receiving job's stream, at the moment it wants the memory. When a job ends
+// receiving job's stream, at the moment it wants the memory (a fused launch
+// would gain nothing there: it is one range). When a job ends
 // (wwrun.allocator.unregister_job, from the job's thread once its script ended),
 // the free blocks still holding its data are scrubbed at once instead, in ONE
 // launch of the Triton zero_ranges_ kernel on a dedicated scrub stream:
@@ -84,6 +85,10 @@
 //      on the scrub stream. A job taking one later needs no memset; while the
 //      event is pending it gets the block by rule c (its stream waits on the
 //      scrub on the device), so the host never blocks.
+// A whole free block is zeroed, clean bytes coalesced into it included: device
+// bandwidth is cheap next to a memset on a job's critical path. Returning, a
+// clean block may absorb a ready neighbour holding another job's data; the merged
+// block is then that job's again (Note [Owners]): conservative, never leaking.
 // In-scrub blocks are in no pool and no neighbour absorbs them, so they are
 // never handed out, coalesced or released (rule e skips their segments). Should
 // the launch fail, finish_scrub(zeroed=false) returns them still dirty, and
