@@ -130,8 +130,8 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   carve(block, size, bytes, stream, job, out);
   lock.unlock();
   // The block is ours alone now; zero it on our stream, after any wait issued
-  // in carve, so the job's first kernel sees zeros. (A batched scrub, e.g. the
-  // Triton zero_ranges_ kernel, would collect these ranges instead.)
+  // in carve, so the job's first kernel sees zeros. One range: a memset, not a
+  // fused launch; ended jobs' blocks come clean already (Note [Batched scrub]).
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
   return out;
 }
