@@ -250,7 +250,8 @@ def test_blocks_in_scrub_are_never_handed_out_coalesced_or_released():
         assert got.rule == "a" or got.rule == "d"
         assert not (ptr <= got.ptr < ptr + size)
     with pytest.raises(ValueError, match="not in scrub"):
-        alloc.finish_scrub([(ptr + 512, 512)])
+        alloc.finish_scrub([(ptr, size), (ptr + 512, 512)])  # nothing done: all or none
+    assert any(b["in_scrub"] for s in alloc.segments() for b in s["blocks"])
     # A launch that failed returns the blocks still dirty: zeroed at hand-out.
     alloc.finish_scrub([(ptr, size)], zeroed=False)
     with pytest.raises(ValueError, match="not in scrub"):

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <unordered_set>
 
 #include "waterwave_allocator.h"
 
@@ -650,16 +651,19 @@ std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string
 void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId scrub_stream,
                                        bool zeroed) {
   Lock lock(mutex_);
+  // All checked before any is touched; a block named twice is not in scrub twice.
+  const char* const not_in_scrub = "wwrun allocator: finish_scrub of a block not in scrub";
+  if (std::unordered_set<void*>(ptrs.begin(), ptrs.end()).size() != ptrs.size()) {
+    throw std::invalid_argument(not_in_scrub);
+  }
   std::vector<Block*> blocks;
   for (void* ptr : ptrs) {
     auto it = in_scrub_.find(ptr);
-    if (it == in_scrub_.end()) {
-      throw std::invalid_argument("wwrun allocator: finish_scrub of a block not in scrub");
-    }
+    if (it == in_scrub_.end()) throw std::invalid_argument(not_in_scrub);
     blocks.push_back(it->second);
-    in_scrub_.erase(it);
   }
   if (blocks.empty()) return;
+  for (Block* block : blocks) in_scrub_.erase(block->ptr);
   // One event after the zeroing covers every block of the batch.
   note_stream(scrub_stream);
   EventRef* event = new_event(scrub_stream);
