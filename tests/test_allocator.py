@@ -1,9 +1,11 @@
 """The memory-flow allocator on the host backend: every rule of the policy (a-g,
-csrc/allocator/waterwave_allocator.h), isolation, limits, accounting, and
-property tests against a small Python reference model; plus a threaded stress
-test (a correctness test, not a benchmark)."""
+csrc/allocator/waterwave_allocator.h), isolation, the batched scrub of an ended
+job's blocks (Note [Batched scrub]; the Triton kernel runs under its interpreter,
+see conftest.py), limits, accounting, and property tests against a small Python
+reference model; plus a threaded stress test (a correctness test, not a benchmark)."""
 
 import random
+import sys
 import threading
 import time
 
@@ -179,6 +181,137 @@ def test_memory_limit_fails_only_that_job():
     assert alloc.job_stats("A")["limit"] == 2 * MiB
 
 
+# --- batched scrub when a job ends (Note [Batched scrub]) -------------------------
+
+SCRUB = HostAllocator.SCRUB_STREAM
+SECRET = 0xAB
+
+
+def a_secret(alloc, nbytes=64 * 1024):
+    """A block of job A filled with a secret, in a 2 MiB segment whose rest live
+    blocks fill: freed, it is the segment's only free memory and coalesces with
+    nothing (so the interpreted kernel has little to zero)."""
+    secret = alloc.alloc_traced(nbytes, A)
+    alloc.alloc(MiB, A)
+    alloc.alloc(MiB - secret.size, A)
+    fill(alloc, secret.ptr, secret.size, SECRET)
+    return secret
+
+
+def test_an_ended_job_s_blocks_are_scrubbed_in_one_batch_and_handed_over_without_memset():
+    alloc = two_jobs()
+    first, second = a_secret(alloc), a_secret(alloc, 8192)
+    alloc.free(first.ptr)
+    alloc.free(second.ptr)
+    alloc.unregister_job("A")
+    for block in (first, second):
+        assert alloc.read(block.ptr, block.size) == bytes(block.size)
+    device = alloc.stats()["device"]
+    assert device["batch_scrubbed_bytes"] == first.size + second.size
+    assert device["scrub_batches"] == 1
+    assert alloc.job_stats("A")["batch_scrubbed_bytes"] == first.size + second.size
+    got = alloc.alloc_traced(first.size, B)
+    assert (got.ptr, got.zeroed, got.waited) == (first.ptr, False, False)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+    assert alloc.stats()["device"]["scrubbed_bytes"] == 0  # no memset at hand-out
+    assert alloc.job_stats("B")["scrubbed_bytes"] == 0
+
+
+def test_a_pending_scrub_orders_both_ways_on_the_device():
+    alloc = two_jobs()
+    alloc.hold(A)  # A's last use of the block is still running ...
+    before_free = alloc.last_event(A)
+    secret = a_secret(alloc)
+    alloc.free(secret.ptr)
+    alloc.hold(SCRUB)  # ... and so will the scrub be
+    alloc.unregister_job("A")
+    [(waiting, on, seq)] = [w for w in alloc.waits() if w[0] == SCRUB]
+    assert (waiting, on) == (SCRUB, A) and seq > before_free  # the scrub runs after A's use
+    got = alloc.alloc_traced(secret.size, B)
+    assert (got.ptr, got.rule, got.waited, got.zeroed) == (secret.ptr, "c", True, False)
+    assert alloc.waits()[-1] == (B, SCRUB, alloc.last_event(SCRUB))
+    alloc.complete(SCRUB)
+    alloc.free(got.ptr)
+    alloc.unregister_job("B")  # the block is B's now: scrubbed at B's end
+    assert alloc.stats()["device"]["batch_scrubbed_bytes"] == 2 * secret.size
+
+
+def test_blocks_in_scrub_are_never_handed_out_coalesced_or_released():
+    alloc = two_jobs()
+    whole = alloc.alloc(MiB, A)  # a 2 MiB segment; freed, it becomes one dirty block
+    alloc.free(whole)
+    [(ptr, size)] = alloc.take_dirty_blocks("A")
+    assert (ptr, size) == (whole, 2 * MiB)
+    [block] = [b for s in alloc.segments() for b in s["blocks"] if b["ptr"] == ptr]
+    assert block["in_scrub"] and not block["allocated"]
+    assert alloc.empty_cache() == 0  # its segment stays
+    for _ in range(2):  # fill a new segment exactly: no free memory but the block in scrub
+        got = alloc.alloc_traced(MiB, B)
+        assert got.rule == "a" or got.rule == "d"
+        assert not (ptr <= got.ptr < ptr + size)
+    with pytest.raises(ValueError, match="not in scrub"):
+        alloc.finish_scrub([(ptr, size), (ptr + 512, 512)])  # nothing done: all or none
+    assert any(b["in_scrub"] for s in alloc.segments() for b in s["blocks"])
+    # A launch that failed returns the blocks still dirty: zeroed at hand-out.
+    alloc.finish_scrub([(ptr, size)], zeroed=False)
+    with pytest.raises(ValueError, match="not in scrub"):
+        alloc.finish_scrub([(ptr, size)])
+    got = alloc.alloc_traced(MiB, C)
+    assert (got.ptr, got.zeroed) == (ptr, True)
+    assert alloc.stats()["device"]["batch_scrubbed_bytes"] == 0
+
+
+def test_scrub_takes_only_the_ended_job_s_blocks_and_running_jobs_reuse_unzeroed():
+    alloc = two_jobs()
+    mine = alloc.alloc_traced(64 * 1024, A)
+    alloc.alloc(512, A)
+    theirs = alloc.alloc_traced(4096, B)  # both blocks sit between live ones
+    alloc.alloc(512, B)
+    fill(alloc, mine.ptr, mine.size, 0x5A)
+    alloc.free(mine.ptr)
+    alloc.free(theirs.ptr)
+    alloc.unregister_job("B")
+    assert alloc.stats()["device"]["batch_scrubbed_bytes"] == theirs.size
+    again = alloc.alloc_traced(mine.size, A)  # A still runs: its own data, not zeroed
+    assert (again.ptr, again.zeroed) == (mine.ptr, False)
+    assert alloc.read(again.ptr, again.size) == bytes([0x5A]) * again.size
+
+
+def test_without_triton_an_ended_job_s_blocks_are_zeroed_at_hand_out(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_kernels", None)  # import fails
+    alloc = two_jobs()
+    secret = a_secret(alloc)
+    alloc.free(secret.ptr)
+    alloc.unregister_job("A")
+    assert alloc.read(secret.ptr, secret.size) == bytes([SECRET]) * secret.size
+    got = alloc.alloc_traced(secret.size, B)
+    assert (got.ptr, got.zeroed) == (secret.ptr, True)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+    device = alloc.stats()["device"]
+    assert (device["scrubbed_bytes"], device["batch_scrubbed_bytes"]) == (got.size, 0)
+
+
+def test_a_failed_scrub_launch_warns_and_leaves_the_blocks_to_hand_out_zeroing(monkeypatch):
+    import triton_kernels
+
+    import wwrun.allocator
+
+    def launch_fails(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(triton_kernels, "zero_ranges_", launch_fails)
+    monkeypatch.setattr(wwrun.allocator, "_batched_scrub_failed", False)  # restored after
+    alloc = two_jobs()
+    secret = a_secret(alloc)
+    alloc.free(secret.ptr)
+    with pytest.warns(RuntimeWarning, match="batched scrub failed .no compiler."):
+        alloc.unregister_job("A")
+    assert not any(b["in_scrub"] for s in alloc.segments() for b in s["blocks"])
+    got = alloc.alloc_traced(secret.size, B)
+    assert (got.ptr, got.zeroed) == (secret.ptr, True)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+
+
 # --- record_stream, jobs, input --------------------------------------------------
 
 
@@ -308,22 +441,34 @@ SIZES = [1, 500, 512, 4000, 300000, MiB, 2 * MiB + 1]
 STREAMS = [A, B, C]
 JOB_OF = {A: "A", B: "B", C: "C"}
 
+alloc_op = st.tuples(st.just("alloc"), st.sampled_from(STREAMS), st.sampled_from(SIZES))
+free_op = st.tuples(st.just("free"), st.integers(0, 1000))
 operations = st.lists(
-    st.one_of(
-        st.tuples(st.just("alloc"), st.sampled_from(STREAMS), st.sampled_from(SIZES)),
-        st.tuples(st.just("free"), st.integers(0, 1000)),
-        st.tuples(st.just("hold"), st.sampled_from(STREAMS)),
-        st.tuples(st.just("complete"), st.sampled_from(STREAMS)),
+    st.one_of(  # allocs and frees weighted up, so that blocks are there to move and scrub
+        alloc_op,
+        alloc_op,
+        free_op,
+        free_op,
+        st.tuples(st.just("hold"), st.sampled_from(STREAMS + [SCRUB])),
+        st.tuples(st.just("complete"), st.sampled_from(STREAMS + [SCRUB])),
+        st.tuples(st.just("take"), st.sampled_from(STREAMS)),
+        st.tuples(st.just("finish"),),
     ),
+    min_size=10,
     max_size=40,
 )
 
 
 class Reference:
-    """What must hold, tracked per 512-byte granule: who last owned it, and on
-    which stream it was last freed, with the first event sequence number
-    recorded there after the free (any event recorded later covers the free;
-    the simulated device says which have completed)."""
+    """What must hold, tracked per 512-byte granule: who last owned it (None:
+    clean), and on which stream it was last freed or scrubbed, with the first
+    event sequence number recorded there after that (any event recorded later
+    covers it; the simulated device says which have completed).
+
+    A batched scrub is driven step by step ("take" a job's dirty blocks, later
+    "finish" the oldest batch), so that allocations run while blocks are in
+    scrub; the test zeroes the ranges itself where the Python layer would launch
+    zero_ranges_ (the tests above run that launch)."""
 
     def __init__(self, alloc, job_of):
         self.alloc = alloc
@@ -331,6 +476,9 @@ class Reference:
         self.live = {}  # ptr -> (size, stream)
         self.granules = {}  # address -> (owner job, stream freed on, covering event seq)
         self.peaks = {}
+        self.batches = []  # taken, not finished: lists of (ptr, size)
+        self.in_scrub = set()  # granule addresses
+        self.batch_bytes = 0
 
     def event_done(self, stream, seq):
         return self.alloc.completed_event(stream) >= seq
@@ -345,12 +493,13 @@ class Reference:
             assert got.ptr + got.size <= ptr or ptr + size <= got.ptr
         foreign = False
         for address in range(got.ptr, got.ptr + got.size, ALIGN):
+            assert address not in self.in_scrub  # blocks in scrub are never handed out
             owner, freed_on, seq = self.granules.get(address, (None, None, 0))
             foreign |= owner is not None and owner != job
             if freed_on is not None and freed_on != stream and not self.event_done(freed_on, seq):
                 # never on another stream before its event completed or a wait was issued
                 assert any(w == stream and s == freed_on and q >= seq for w, s, q in new_waits)
-        if foreign:
+        if foreign:  # (a block may also be zeroed where coalescing blurred its owners)
             assert got.zeroed and self.alloc.read(got.ptr, got.size) == bytes(got.size)
         fill(self.alloc, got.ptr, got.size, 1 + STREAMS.index(stream))
         for address in range(got.ptr, got.ptr + got.size, ALIGN):
@@ -368,6 +517,38 @@ class Reference:
         for address in range(ptr, ptr + size, ALIGN):
             self.granules[address] = (self.job_of[stream], stream, seq)
 
+    def do_take(self, stream):
+        job = self.job_of[stream]
+        waits_before = len(self.alloc.waits())
+        ranges = self.alloc.take_dirty_blocks(job)
+        new_waits = self.alloc.waits()[waits_before:]
+        for ptr, size in ranges:
+            for live_ptr, (live_size, _) in self.live.items():
+                assert ptr + size <= live_ptr or live_ptr + live_size <= ptr
+            for address in range(ptr, ptr + size, ALIGN):
+                owner, freed_on, seq = self.granules.get(address, (None, None, 0))
+                assert owner in (job, None)  # only the job's data (and clean memory)
+                if freed_on not in (None, SCRUB) and not self.event_done(freed_on, seq):
+                    # the scrub is ordered after the job's last use on the device
+                    assert any(w == SCRUB and s == freed_on and q >= seq for w, s, q in new_waits)
+                self.in_scrub.add(address)
+        if ranges:
+            self.batches.append(ranges)
+
+    def do_finish(self):
+        if not self.batches:
+            return
+        ranges = self.batches.pop(0)
+        for ptr, size in ranges:
+            self.alloc.write(ptr, bytes(size))  # the launch's part
+        self.alloc.finish_scrub(ranges)
+        seq = self.alloc.last_event(SCRUB)  # recorded by finish_scrub, after the zeroing
+        for ptr, size in ranges:
+            self.batch_bytes += size
+            for address in range(ptr, ptr + size, ALIGN):
+                self.in_scrub.remove(address)
+                self.granules[address] = (None, SCRUB, seq)
+
     def do_hold(self, stream):
         self.alloc.hold(stream)
 
@@ -379,6 +560,7 @@ class Reference:
         device = stats["device"]
         assert device["reserved_bytes"]["current"] >= device["allocated_bytes"]["current"]
         assert device["allocated_bytes"]["current"] == sum(s for s, _ in self.live.values())
+        assert device["batch_scrubbed_bytes"] == self.batch_bytes
         assert device["fragmentation_bytes"] == (
             device["reserved_bytes"]["current"] - device["allocated_bytes"]["current"]
         )
@@ -397,7 +579,9 @@ class Reference:
             self.check_stats()
         for ptr in list(self.live):
             self.do_free(0)
-        for stream in STREAMS:
+        while self.batches:
+            self.do_finish()
+        for stream in STREAMS + [SCRUB]:
             self.do_complete(stream)
         self.alloc.process_events()
         for segment in self.alloc.segments():  # freeing everything leaves each segment one block
@@ -453,7 +637,8 @@ def test_property_job_limit_is_exact(sizes, limit_blocks):
 def test_threaded_stress_keeps_every_job_s_data_intact():
     """Correctness under contention (not a benchmark): four jobs on their own
     streams allocate, fill, verify and free from four threads, while their
-    streams are held and completed at random."""
+    streams are held and completed at random, and a fifth thread scrubs their
+    free blocks in batches (zeroing a live block would show as overwritten)."""
     alloc = HostAllocator(512 * MiB)
     streams = [11, 12, 13, 14]
     for stream in streams:
@@ -485,13 +670,30 @@ def test_threaded_stress_keeps_every_job_s_data_intact():
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             errors.append(repr(error))
 
+    workers_done = threading.Event()
+
+    def scrubber():
+        try:
+            while not workers_done.is_set():
+                for stream in streams:
+                    ranges = alloc.take_dirty_blocks(f"job{stream}")
+                    for ptr, size in ranges:
+                        alloc.write(ptr, bytes(size))  # the launch's part
+                    alloc.finish_scrub(ranges)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(error))
+
     threads = [threading.Thread(target=worker, args=(s,)) for s in streams]
-    for thread in threads:
+    scrubbing = threading.Thread(target=scrubber)
+    for thread in threads + [scrubbing]:
         thread.start()
     for thread in threads:
         thread.join()
+    workers_done.set()
+    scrubbing.join()
     assert errors == []
-    for stream in streams:
+    assert alloc.stats()["device"]["scrub_batches"] > 0
+    for stream in streams + [SCRUB]:
         alloc.complete(stream)
     alloc.process_events()
     stats = alloc.stats()

@@ -183,6 +183,37 @@ def test_a_job_never_reads_memory_another_job_freed():
 
 
 @pytest.mark.gpu
+def test_an_ended_job_s_memory_is_scrubbed_in_one_batch_and_reused_without_memset():
+    """Note [Batched scrub] on CUDA: job A's freed secret is zeroed by one Triton
+    launch on the scrub stream when A ends; B then takes the block without a
+    memset, by rule c while the scrub (held behind A's busy stream) is pending."""
+    out = run_fresh("""
+        from triton_kernels import zero_ranges_
+        warm = torch.ones(1024, device="cuda")  # compile the kernel before timing matters
+        zero_ranges_([warm.data_ptr()], [4096], "cuda"); torch.cuda.synchronize()
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        n = 16 << 20  # int32: 64 MiB, a segment of its own
+        with torch.cuda.stream(s1):
+            secret = torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device="cuda")
+            torch.cuda._sleep(1_000_000_000)  # A is still busy with the block when it is freed
+            ptr = secret.data_ptr(); del secret
+        wa.unregister_job("A")  # the launcher calls it from A's thread; the host does not wait
+        with torch.cuda.stream(s2):
+            seen = torch.empty(n, dtype=torch.int32, device="cuda")
+            zeros = bool((seen == 0).all())
+        stats = wa.stats()
+        print(json.dumps({"same": seen.data_ptr() == ptr, "zeros": zeros,
+                          "memset": wa.job_stats("B")["scrubbed_bytes"],
+                          "batched": stats["device"]["batch_scrubbed_bytes"],
+                          "batches": stats["device"]["scrub_batches"], "rules": stats["rules"]}))
+    """)
+    assert out["same"] and out["zeros"]
+    assert out["memset"] == 0 and out["batched"] >= 64 << 20 and out["batches"] == 1
+    assert out["rules"]["c"] >= 1
+
+
+@pytest.mark.gpu
 def test_a_job_over_its_limit_alone_gets_out_of_memory():
     out = run_fresh("""
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()

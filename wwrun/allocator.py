@@ -11,6 +11,11 @@ The allocator itself is C++ (`csrc/allocator/`, policy a-g at the top of
   job's thread), `stats`, `job_stats`, `set_expected_releases` (rule f, called by
   the scheduler).
 
+When a job ends, `unregister_job` scrubs the free blocks still holding its data in
+one launch of `triton_kernels.zero_ranges_` on a dedicated scrub stream (Note
+[Batched scrub] in the header); without Triton, those blocks are zeroed one by one
+when another job takes them, as always.
+
 Reference: Waterwave (IEEE TC 72(10), 2023), the synchronization-state-aware
 allocator; PyTorch's `c10/cuda/CUDACachingAllocator.h`.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -46,6 +52,7 @@ DEFAULT_RELEASE_WAIT_S = 2.0
 
 _build_lock = threading.Lock()
 _modules: dict[str, object] = {}
+_batched_scrub_failed = False  # a launch failed once: zero at hand-out from then on
 
 
 def source_dir() -> Path:
@@ -118,6 +125,51 @@ def _job_view(snapshot: dict, job: str) -> dict:
         raise ValueError(f"unknown job {job!r}; known: {sorted(snapshot['jobs'])}") from None
 
 
+def _batched_zeroing(device_type: str):
+    """`triton_kernels.zero_ranges_` when it can reach `device_type` memory, else
+    None: without Triton, or with Triton's interpreter on a GPU (it runs on host
+    memory only), or after a launch failed, blocks are zeroed at hand-out instead."""
+    if _batched_scrub_failed:
+        return None
+    try:
+        from triton_kernels import zero_ranges_
+        from triton_kernels.utils import interpreting
+    except ImportError:
+        return None
+    return zero_ranges_ if interpreting() == (device_type == "cpu") else None
+
+
+def _scrub_in_one_launch(take, finish, device: torch.device, stream=None) -> int:
+    """Note [Batched scrub]: `take()` moves a job's dirty free blocks out of the
+    pools and returns them as (addresses, byte counts); they are zeroed in one
+    launch on the scrub stream (`stream`; None: the host's), then `finish(ptrs,
+    zeroed)` returns them clean behind an event recorded there. Returns the bytes
+    scrubbed."""
+    global _batched_scrub_failed
+    zero_ranges_ = _batched_zeroing(device.type)
+    if zero_ranges_ is None:
+        return 0
+    ptrs, sizes = take()
+    if not ptrs:
+        return 0
+    zeroed = False
+    try:
+        # No allocator lock is held here: the launch allocates its range table.
+        zero_ranges_(ptrs, sizes, device, stream=stream)
+        zeroed = True
+    except Exception as error:  # noqa: BLE001 - e.g. Triton cannot compile here
+        _batched_scrub_failed = True
+        warnings.warn(
+            f"wwrun allocator: batched scrub failed ({error}); zeroing each block "
+            "when another job takes it instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    finally:
+        finish(ptrs, zeroed)
+    return sum(sizes) if zeroed else 0
+
+
 class AllocationTrace(NamedTuple):
     """What one host allocation did: the rule (a-g) that served it, whether the
     block was zeroed (cross-job) and whether the stream was made to wait on
@@ -138,7 +190,12 @@ class HostAllocator:
     stream is held (`hold`), in which case it stays pending until `complete`.
     `capacity` is the simulated device's memory in bytes; `reserved_limit`
     optionally caps the bytes of segments the allocator may hold.
+    Batched scrubs run on the simulated stream `SCRUB_STREAM` (hold it to keep a
+    scrub pending), with `zero_ranges_` under Triton's interpreter zeroing the
+    host memory itself.
     """
+
+    SCRUB_STREAM = 1 << 62  # far from the small integers tests use for job streams
 
     def __init__(self, capacity: int, *, reserved_limit: int | None = None):
         self._impl = _extension("host").HostAllocator(
@@ -169,8 +226,33 @@ class HostAllocator:
         self._impl.register_stream(stream, _check_job(job), _check_bytes(memory_limit))
 
     def unregister_job(self, job: str) -> None:
+        """The job ended: unbinds its streams and scrubs its dirty free blocks
+        in one batch (`scrub_job`)."""
         if not self._impl.unregister_job(_check_job(job)):
             raise ValueError(f"unknown job {job!r}")
+        self.scrub_job(job)
+
+    # batched scrub (Note [Batched scrub]) -----------------------------------
+    def scrub_job(self, job: str) -> int:
+        """Zeroes `job`'s dirty free blocks in one `zero_ranges_` launch on
+        `SCRUB_STREAM` and returns them clean; the bytes scrubbed (0 without Triton)."""
+        job = _check_job(job)
+        return _scrub_in_one_launch(
+            lambda: self._impl.take_dirty_blocks(job, self.SCRUB_STREAM),
+            lambda ptrs, zeroed: self._impl.finish_scrub(ptrs, self.SCRUB_STREAM, zeroed),
+            torch.device("cpu"),
+        )
+
+    def take_dirty_blocks(self, job: str) -> list[tuple[int, int]]:
+        """Step 1 of a batched scrub: `job`'s dirty free blocks as (address, bytes),
+        now in scrub (never handed out) until `finish_scrub`."""
+        ptrs, sizes = self._impl.take_dirty_blocks(_check_job(job), self.SCRUB_STREAM)
+        return list(zip(ptrs, sizes))
+
+    def finish_scrub(self, ranges: list[tuple[int, int]], zeroed: bool = True) -> None:
+        """Step 3: the ranges' zeroing is queued on `SCRUB_STREAM`; they return
+        to the free pool, clean if `zeroed`, pending behind a new event there."""
+        self._impl.finish_scrub([ptr for ptr, _ in ranges], self.SCRUB_STREAM, zeroed)
 
     def set_expected_releases(
         self, jobs: Iterable[str] | Mapping[str, int], timeout_s: float = DEFAULT_RELEASE_WAIT_S
@@ -216,7 +298,9 @@ class HostAllocator:
     # figures ----------------------------------------------------------------
     def stats(self) -> dict:
         """{'device': {...}, 'rules': {'a': n, ... 'g': n}, 'jobs': {name: {...}}};
-        byte figures as {current, peak, allocated, freed}."""
+        byte figures as {current, peak, allocated, freed}. Cross-job zeroing by
+        kind: `scrubbed_bytes` (a memset at hand-out; per job: received) and
+        `batch_scrubbed_bytes` (batched scrubs; per job: its own data, at its end)."""
         return self._impl.snapshot()
 
     def job_stats(self, job: str) -> dict:
@@ -297,9 +381,34 @@ def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
     module.register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
 
 
+_scrub_streams: dict[int, torch.cuda.Stream] = {}
+_scrub_streams_lock = threading.Lock()
+
+
+def _scrub_stream(device: int) -> torch.cuda.Stream:
+    """The device's scrub stream, made once: no job's work queues on it, so a
+    scrub waits only on the blocks it zeroes."""
+    with _scrub_streams_lock:
+        if device not in _scrub_streams:
+            _scrub_streams[device] = torch.cuda.Stream(device=device)
+        return _scrub_streams[device]
+
+
 def unregister_job(job: str, device=None) -> None:
-    if not _cuda().unregister_job(_device_index(device), _check_job(job)):
+    """The job ended (called from its thread after its script): unbinds its
+    streams and scrubs its dirty free blocks in one launch on the device's scrub
+    stream (Note [Batched scrub]); the host does not wait for it."""
+    module, index = _cuda(), _device_index(device)
+    if not module.unregister_job(index, _check_job(job)):
         raise ValueError(f"unknown job {job!r}")
+    stream = _scrub_stream(index)
+    handle = stream.cuda_stream
+    _scrub_in_one_launch(
+        lambda: module.take_dirty_blocks(index, job, handle),
+        lambda ptrs, zeroed: module.finish_scrub(index, ptrs, handle, zeroed),
+        torch.device("cuda", index),
+        stream,
+    )
 
 
 def set_expected_releases(

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <unordered_set>
 
 #include "waterwave_allocator.h"
 
@@ -130,8 +131,8 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   carve(block, size, bytes, stream, job, out);
   lock.unlock();
   // The block is ours alone now; zero it on our stream, after any wait issued
-  // in carve, so the job's first kernel sees zeros. (A batched scrub, e.g. the
-  // Triton zero_ranges_ kernel, would collect these ranges instead.)
+  // in carve, so the job's first kernel sees zeros. One range: a memset, not a
+  // fused launch; ended jobs' blocks come clean already (Note [Batched scrub]).
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
   return out;
 }
@@ -407,7 +408,7 @@ void MemoryFlowAllocator::record_stream(void* ptr, StreamId stream) {
 // covers theirs), then joins its stream's pool.
 void MemoryFlowAllocator::insert_free(Block* block) {
   for (Block* neighbour : {block->prev, block->next}) {
-    if (neighbour != nullptr && !neighbour->allocated && !neighbour->deferred &&
+    if (neighbour != nullptr && is_idle_free(neighbour) &&
         (neighbour->event == nullptr || neighbour->stream == block->stream)) {
       merge_into(block, neighbour);
     }
@@ -421,8 +422,7 @@ void MemoryFlowAllocator::insert_free(Block* block) {
 // A block with no pending event absorbs its ready neighbours and joins the ready set.
 void MemoryFlowAllocator::insert_ready(Block* block) {
   for (Block* neighbour : {block->prev, block->next}) {
-    if (neighbour != nullptr && !neighbour->allocated && !neighbour->deferred &&
-        neighbour->event == nullptr) {
+    if (neighbour != nullptr && is_idle_free(neighbour) && neighbour->event == nullptr) {
       merge_into(block, neighbour);
     }
   }
@@ -610,6 +610,86 @@ void MemoryFlowAllocator::count_pending(std::int64_t delta) {
 }
 
 // ---------------------------------------------------------------------------
+// Batched scrub (Note [Batched scrub])
+// ---------------------------------------------------------------------------
+
+std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string& name,
+                                                               StreamId scrub_stream) {
+  Lock lock(mutex_);
+  std::vector<ScrubRange> ranges;
+  const std::optional<JobId> job = find_job_locked(name);
+  if (!job) return ranges;
+  std::vector<Block*> dirty;
+  for (auto& [base, segment] : segments_) {
+    for (Block* block = segment->head; block != nullptr; block = block->next) {
+      if (is_idle_free(block) && block->owner == *job) dirty.push_back(block);
+    }
+  }
+  if (dirty.empty()) return ranges;
+  // The scrub stream is one more stream: lazily held events must be recorded
+  // before it can wait on them (Note [Lazy events]).
+  note_stream(scrub_stream);
+  for (Block* block : dirty) {
+    unlink_free(block);
+    if (block->event != nullptr) {
+      // Still counted in pending_event_bytes: now behind the scrub instead.
+      if (block->stream != scrub_stream && !is_complete(block->event)) {
+        backend_.stream_wait_event(scrub_stream, block->event->handle);
+      }
+      unref(block->event);
+      block->event = nullptr;
+    } else {
+      count_pending(static_cast<std::int64_t>(block->size));
+    }
+    block->in_scrub = true;
+    in_scrub_.emplace(block->ptr, block);
+    ranges.push_back({block->ptr, block->size});
+  }
+  return ranges;
+}
+
+void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId scrub_stream,
+                                       bool zeroed) {
+  Lock lock(mutex_);
+  // All checked before any is touched; a block named twice is not in scrub twice.
+  const char* const not_in_scrub = "wwrun allocator: finish_scrub of a block not in scrub";
+  if (std::unordered_set<void*>(ptrs.begin(), ptrs.end()).size() != ptrs.size()) {
+    throw std::invalid_argument(not_in_scrub);
+  }
+  std::vector<Block*> blocks;
+  for (void* ptr : ptrs) {
+    auto it = in_scrub_.find(ptr);
+    if (it == in_scrub_.end()) throw std::invalid_argument(not_in_scrub);
+    blocks.push_back(it->second);
+  }
+  if (blocks.empty()) return;
+  for (Block* block : blocks) in_scrub_.erase(block->ptr);
+  // One event after the zeroing covers every block of the batch.
+  note_stream(scrub_stream);
+  EventRef* event = new_event(scrub_stream);
+  event->refs = 0;
+  for (Block* block : blocks) {
+    const auto bytes = static_cast<std::int64_t>(block->size);
+    if (zeroed) {
+      stats_.batch_scrubbed_bytes += bytes;
+      jobs_[block->owner].batch_scrubbed_bytes += bytes;
+      block->owner = kClean;
+    }
+    block->in_scrub = false;
+    block->stream = scrub_stream;
+    block->event = event;
+    ++event->refs;
+    count_pending(-bytes);  // insert_free counts it again, as pending behind the scrub
+    insert_free(block);
+  }
+  if (zeroed) ++stats_.scrub_batches;
+  ++free_count_;  // memory came back: wake rule f's waiters
+  const bool wake = release_waiters_ > 0;
+  lock.unlock();
+  if (wake) freed_cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------
 // Rule e: releasing wholly free segments
 // ---------------------------------------------------------------------------
 
@@ -624,7 +704,7 @@ std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
   std::vector<Block*> victims;
   for (auto& [base, segment] : segments_) {
     Block* block = segment->head;
-    if (block->next == nullptr && !block->allocated && !block->deferred) {
+    if (block->next == nullptr && is_idle_free(block)) {
       victims.push_back(block);
     }
   }
@@ -751,7 +831,7 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
     for (const Block* block = segment->head; block != nullptr; block = block->next) {
       info.blocks.push_back({reinterpret_cast<std::uintptr_t>(block->ptr), block->size,
                              block->allocated, block->event != nullptr || block->deferred,
-                             block->stream, block->owner});
+                             block->in_scrub, block->stream, block->owner});
     }
     result.push_back(std::move(info));
   }

@@ -29,6 +29,7 @@ inline py::dict job_dict(const JobStats& job) {
   d["allocations"] = stat_dict(job.allocations);
   d["num_ooms"] = job.num_ooms;
   d["scrubbed_bytes"] = job.scrubbed_bytes;
+  d["batch_scrubbed_bytes"] = job.batch_scrubbed_bytes;
   return d;
 }
 
@@ -43,6 +44,8 @@ inline py::dict snapshot_dict(const Snapshot& snap) {
   device["num_ooms"] = dev.num_ooms;
   device["num_alloc_retries"] = dev.num_alloc_retries;
   device["scrubbed_bytes"] = dev.scrubbed_bytes;
+  device["batch_scrubbed_bytes"] = dev.batch_scrubbed_bytes;
+  device["scrub_batches"] = dev.scrub_batches;
   device["fresh_scrubbed_bytes"] = dev.fresh_scrubbed_bytes;
   device["pending_event_bytes"] = dev.pending_event_bytes;
   device["fragmentation_bytes"] = snap.fragmentation_bytes;
@@ -70,6 +73,7 @@ inline py::list segments_list(const std::vector<SegmentInfo>& segments) {
       b["size"] = block.size;
       b["allocated"] = block.allocated;
       b["pending"] = block.pending;
+      b["in_scrub"] = block.in_scrub;
       b["stream"] = block.stream;
       b["owner"] = block.owner;
       blocks.append(b);
@@ -81,6 +85,24 @@ inline py::list segments_list(const std::vector<SegmentInfo>& segments) {
     result.append(s);
   }
   return result;
+}
+
+// take_dirty_blocks' ranges as two lists, (addresses, byte counts): the shape
+// triton_kernels.zero_ranges_ takes.
+inline py::tuple scrub_ranges(const std::vector<ScrubRange>& ranges) {
+  py::list ptrs, sizes;
+  for (const ScrubRange& range : ranges) {
+    ptrs.append(reinterpret_cast<std::uintptr_t>(range.ptr));
+    sizes.append(range.size);
+  }
+  return py::make_tuple(ptrs, sizes);
+}
+
+inline std::vector<void*> as_pointers(const std::vector<std::uintptr_t>& addresses) {
+  std::vector<void*> ptrs;
+  ptrs.reserve(addresses.size());
+  for (std::uintptr_t address : addresses) ptrs.push_back(reinterpret_cast<void*>(address));
+  return ptrs;
 }
 
 // OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native

@@ -18,6 +18,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unregister_job", [](int device, const std::string& job) {
     return tc::core(device).unregister_job(job);
   });
+  m.def("take_dirty_blocks", [](int device, const std::string& job, StreamId scrub_stream) {
+    return wwrun::alloc::scrub_ranges(tc::core(device).take_dirty_blocks(job, scrub_stream));
+  });
+  m.def("finish_scrub", [](int device, const std::vector<std::uintptr_t>& ptrs,
+                           StreamId scrub_stream, bool zeroed) {
+    tc::core(device).finish_scrub(wwrun::alloc::as_pointers(ptrs), scrub_stream, zeroed);
+  });
   m.def("set_expected_releases", [](int device, const std::vector<std::string>& jobs,
                                     double wait_s) {
     tc::core(device).set_expected_releases(jobs, wait_s);

@@ -85,6 +85,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](HostAllocator& self, const std::string& job) {
              return self.allocator().unregister_job(job);
            })
+      .def("take_dirty_blocks",
+           [](HostAllocator& self, const std::string& job, StreamId scrub_stream) {
+             return wwrun::alloc::scrub_ranges(
+                 self.allocator().take_dirty_blocks(job, scrub_stream));
+           })
+      .def("finish_scrub",
+           [](HostAllocator& self, const std::vector<std::uintptr_t>& ptrs,
+              StreamId scrub_stream, bool zeroed) {
+             self.allocator().finish_scrub(wwrun::alloc::as_pointers(ptrs), scrub_stream,
+                                           zeroed);
+           })
       .def("set_expected_releases",
            [](HostAllocator& self, const std::vector<std::string>& jobs, double wait_s) {
              self.allocator().set_expected_releases(jobs, wait_s);

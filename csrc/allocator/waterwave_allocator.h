@@ -32,9 +32,10 @@
 // Isolation: a block handed to job J is zeroed on J's stream unless every byte of
 // it was last owned by J or is clean (see Note [Owners]). New segments are zeroed
 // once when created, because the device may hand back memory another job freed.
-// Zeroing goes through Backend::memset_zero, one call per block, issued after the
-// allocator lock is released (allocate() in allocator_core.cpp); a batched scrub
-// (the Triton zero_ranges_ kernel) would collect those ranges there instead.
+// Zeroing at hand-out goes through Backend::memset_zero, one call per block,
+// issued after the allocator lock is released (allocate() in allocator_core.cpp).
+// When a job ends, its dirty free blocks are scrubbed ahead of time in one batch
+// (Note [Batched scrub]), so that later hand-outs of them need no memset.
 //
 // ---------------------------------------------------------------------------
 // Glossary
@@ -49,6 +50,8 @@
 //   ready     a free block with no pending event: any stream may take it (b).
 //   deferred  a freed block also used on other streams (record_stream): it joins
 //             the free blocks once the events on all those streams complete.
+//   in scrub  a free block of an ended job being zeroed by a batched scrub: in no
+//             pool, never handed out, coalesced or released until finish_scrub.
 //   Job       a named user of the allocator; streams are bound to jobs, and an
 //             unbound stream belongs to job 0, "default".
 //
@@ -63,6 +66,36 @@
 // safe (the event then covers more work); it only takes event recording off a
 // single job's hot path. From the second stream on, every free records its own
 // event, as the policy says.
+//
+// Note [Batched scrub]: zeroing at hand-out costs one memset per block, on the
+// receiving job's stream, at the moment it wants the memory (a fused launch
+// would gain nothing there: it is one range). When a job ends
+// (wwrun.allocator.unregister_job, from the job's thread once its script ended),
+// the free blocks still holding its data are scrubbed at once instead, in ONE
+// launch of the Triton zero_ranges_ kernel on a dedicated scrub stream:
+//   1. take_dirty_blocks(job, scrub): each free block owned by the job alone
+//      (not clean, not kMixed, not deferred) leaves its pool and is marked in
+//      scrub; the scrub stream is made to wait on the block's pending event, so
+//      the kernel runs after the job's last use of it. Returns the ranges.
+//   2. Python launches zero_ranges_ over them on the scrub stream, with no
+//      allocator lock held: the launch itself allocates its range table through
+//      the allocator (on the scrub stream, job "default").
+//   3. finish_scrub(ranges, scrub, zeroed): one event is recorded on the scrub
+//      stream and the blocks return to the free pool as clean, pending behind it
+//      on the scrub stream. A job taking one later needs no memset; while the
+//      event is pending it gets the block by rule c (its stream waits on the
+//      scrub on the device), so the host never blocks.
+// A whole free block is zeroed, clean bytes coalesced into it included: device
+// bandwidth is cheap next to a memset on a job's critical path. Returning, a
+// clean block may absorb a ready neighbour holding another job's data; the merged
+// block is then that job's again (Note [Owners]): conservative, never leaking.
+// In-scrub blocks are in no pool and no neighbour absorbs them, so they are
+// never handed out, coalesced or released (rule e skips their segments). Should
+// the launch fail, finish_scrub(zeroed=false) returns them still dirty, and
+// hand-out zeroing covers them as before. Blocks the job frees after its end
+// (module globals dropped later), or that were mixed with another job's data,
+// are zeroed at hand-out. Bytes are counted by kind: scrubbed_bytes (memset at
+// hand-out) and batch_scrubbed_bytes (batched, charged to the ended job).
 //
 // Note [Locking]: one mutex per allocator. It is never held across a call that
 // can block (segment_alloc/free, event_synchronize, memset of host memory), nor
@@ -129,6 +162,7 @@ struct Block {
   Block* next = nullptr;
   bool allocated = false;
   bool deferred = false;
+  bool in_scrub = false;     // free, taken by a batched scrub (Note [Batched scrub])
   StreamId stream = 0;       // allocated: its stream; free: the stream it was last used on
   JobId owner = kClean;      // allocated: its job; free: whose data it holds
   std::size_t requested = 0; // allocated: bytes asked for
@@ -179,7 +213,8 @@ struct JobStats {
   Stat requested_bytes;
   Stat allocations;       // live blocks
   std::int64_t num_ooms = 0;
-  std::int64_t scrubbed_bytes = 0;  // zeroed because another job's data was there
+  std::int64_t scrubbed_bytes = 0;  // zeroed at hand-out to this job: another job's data was there
+  std::int64_t batch_scrubbed_bytes = 0;  // this job's data zeroed by batched scrubs
 };
 
 struct DeviceStats {
@@ -191,9 +226,11 @@ struct DeviceStats {
   std::int64_t num_ooms = 0;
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t rule_count[kNumRules] = {};
-  std::int64_t scrubbed_bytes = 0;        // cross-job zeroing
+  std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
+  std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
+  std::int64_t scrub_batches = 0;         // batched scrubs finished (one launch each)
   std::int64_t fresh_scrubbed_bytes = 0;  // new segments zeroed once
-  std::int64_t pending_event_bytes = 0;   // free or deferred bytes behind pending events
+  std::int64_t pending_event_bytes = 0;   // free, deferred or in-scrub bytes behind pending events
 };
 
 struct Snapshot {
@@ -208,6 +245,7 @@ struct BlockInfo {
   std::size_t size;
   bool allocated;
   bool pending;
+  bool in_scrub;
   StreamId stream;
   JobId owner;
 };
@@ -215,6 +253,12 @@ struct SegmentInfo {
   std::uintptr_t base;
   std::size_t size;
   std::vector<BlockInfo> blocks;
+};
+
+// A range handed to a batched scrub (Note [Batched scrub]).
+struct ScrubRange {
+  void* ptr;
+  std::size_t size;
 };
 
 // What allocate() did, for the caller and for tests.
@@ -269,6 +313,14 @@ class MemoryFlowAllocator {
   JobId job_of_stream(StreamId stream) const;
   std::optional<JobId> find_job(const std::string& name) const;
 
+  // Note [Batched scrub]. take_dirty_blocks marks the job's dirty free blocks in
+  // scrub, orders `scrub_stream` after their last use, and returns them (empty
+  // for an unknown job). finish_scrub, once their zeroing is queued on
+  // `scrub_stream`, returns them to the free pool, clean when `zeroed`.
+  // Throws std::invalid_argument for a pointer not in scrub.
+  std::vector<ScrubRange> take_dirty_blocks(const std::string& job, StreamId scrub_stream);
+  void finish_scrub(const std::vector<void*>& ptrs, StreamId scrub_stream, bool zeroed);
+
   // Rule f: jobs expected to free memory soon. An empty list disables rule f.
   void set_expected_releases(const std::vector<std::string>& jobs, double wait_s);
 
@@ -304,6 +356,9 @@ class MemoryFlowAllocator {
                JobId job, Allocation& out);
   void process_events_locked();
   JobId job_of_stream_locked(StreamId stream) const;
+  static bool is_idle_free(const Block* block) {
+    return !block->allocated && !block->deferred && !block->in_scrub;
+  }
   void insert_free(Block* block);
   void insert_ready(Block* block);
   void unlink_free(Block* block);
@@ -337,6 +392,7 @@ class MemoryFlowAllocator {
   std::unordered_map<void*, Block*> live_;
   Pool pools_[2];  // small, large
   std::vector<Block*> deferred_;
+  std::unordered_map<void*, Block*> in_scrub_;  // by address
   std::vector<EventRef*> event_pool_;
   std::optional<StreamId> only_stream_;  // the single stream seen so far
   bool eager_events_ = false;            // a second stream was seen
