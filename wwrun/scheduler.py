@@ -142,8 +142,14 @@ class Scheduler:
         return sum(j.persistent + j.held for j in self.active())
 
     def set_persistent(self, name: str, nbytes: int) -> None:
-        job = self.jobs[name]
-        job.persistent = max(job.persistent, nbytes)
+        """Persistent bytes measured by the job itself (not asked for: already there)."""
+        self.jobs[name].persistent = nbytes
+
+    def abort_profile(self, name: str) -> None:
+        """The profiling pass failed: the job keeps whatever claim it had."""
+        job = self.jobs.get(name)
+        if job is not None:
+            job.profiling = job.pending_profile = False
 
     def end_profile(self, name: str, claim: int) -> None:
         job = self.jobs[name]
