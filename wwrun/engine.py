@@ -30,9 +30,9 @@ accounting, which is device-independent.
 Budget tolerance on the CPU: a job's later passes ask before they grow, so the budget
 holds to within the error of the profile (exact for a fixed input signature). A
 profiling pass is measured as it runs, one module call at a time: it may overshoot by
-at most one module's activations before it waits, and a newcomer's model is built by
+at most one module's activations before it waits; a newcomer's model is built by
 its script before wwrun sees it (it is admitted when the smallest job seen so far
-would fit). Transient memory (outputs not saved for backward, gradients in flight) is
+would fit), and its optimizer state appears at its first step unannounced. Transient memory (outputs not saved for backward, gradients in flight) is
 not part of the CPU budget.
 
 Limitations: models first called after a job's first optimizer step are not found;
@@ -591,8 +591,9 @@ class Engine:
 
     def _measure_persistent(self, job: _Job, predict: bool = False) -> None:
         """Parameters, buffers, gradients and optimizer state, once per storage. At a
-        model's discovery, gradients and an Adam-like state (2x the trainable
-        parameters) are predicted, so the first step does not overshoot."""
+        model's discovery its gradients are predicted (backward will create them);
+        the optimizer's state is not (none for SGD, 2x the parameters for Adam): it
+        is measured at the first step."""
         seen: dict[int, int] = {}
         trainable = 0
         for model in job.models:
@@ -614,7 +615,7 @@ class Engine:
             self._set_persistent(job, measured)
             job.persistent_peak = max(job.persistent_peak, measured)
             if predict and job.iterations == 0:
-                job.persistent_reserved = max(job.persistent_reserved, measured + 3 * trainable)
+                job.persistent_reserved = max(job.persistent_reserved, measured + trainable)
             elif not predict:
                 job.persistent_reserved = job.persistent_peak
                 if job.name in self.scheduler.jobs:
