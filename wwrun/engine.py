@@ -60,6 +60,10 @@ WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
 
+PERSISTENT_EVERY = 64
+"""Persistent bytes are measured at the first two optimizer steps, then every this many."""
+
+
 class JobTooLarge(RuntimeError):
     """The job cannot run within the memory limit: alone, or beside the running jobs.
 
@@ -96,6 +100,8 @@ class _Job:
     priority: int
     index: int
     started: float = 0.0
+    admitted: float | None = None  # left the queue
+    queued_s: float = 0.0
     ended: float | None = None
     models: list[_Model] = field(default_factory=list)
     optimizers: list = field(default_factory=list)  # weak references
@@ -116,6 +122,7 @@ class _Job:
     passes: int = 0
     profiles: int = 0
     failed: str | None = None
+    waiting_since: float = 0.0  # nonzero while a request of the job waits
 
 
 class _Saved:
@@ -198,6 +205,8 @@ class Engine:
             while not self.scheduler.try_start(name):
                 self._cond.wait(WAIT_POLL_S)
             self._waited(job, "queued", waited_from)
+            job.admitted = time.perf_counter()
+            job.queued_s = job.admitted - waited_from
             self._install_global_hooks()
 
     def job_finished(self, name: str) -> None:
@@ -242,6 +251,7 @@ class Engine:
         return {
             "peak_memory_bytes": job.peak,
             "wait_s": round(job.wait_s, 6),
+            "queued_s": round(job.queued_s, 6),
             "iterations": job.iterations,
             "nodegroups": groups,
         }
@@ -462,21 +472,13 @@ class Engine:
             want = max(job.retained, job.reserved) + growth
             started = time.perf_counter()
             while True:
-                if job.failed:
-                    raise JobTooLarge(job.failed)
                 decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
                 if decision is Decision.GRANT:
                     break
                 if decision is Decision.TOO_LARGE:
                     job.failed = self._too_large_message(job, want)
-                    raise JobTooLarge(job.failed)
-                self._cond.notify_all()  # waiting may let another job through
-                victim = self.scheduler.stuck_victim()
-                if victim is not None:
-                    self._jobs[victim].failed = self._no_room_message(victim)
-                    self._cond.notify_all()
-                    continue
-                self._cond.wait(WAIT_POLL_S)
+                self._wait_for_memory(job)
+            job.waiting_since = 0.0
             job.reserved = want
             self._waited(job, f"wait g{group}", started)
             self._sample(job)
@@ -486,21 +488,31 @@ class Engine:
         if not self.gating:
             return
         while True:
-            if job.failed:
-                raise JobTooLarge(job.failed)
             decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
             if decision is Decision.GRANT:
+                job.waiting_since = 0.0
                 return
             if decision is Decision.TOO_LARGE:
                 job.failed = self._too_large_message(job, 0)
-                raise JobTooLarge(job.failed)
+            self._wait_for_memory(job)
+
+    def _wait_for_memory(self, job: _Job) -> None:
+        """One wait of a refused request (under the lock); raises if the job failed."""
+        if job.failed:
+            raise JobTooLarge(job.failed)
+        if not job.waiting_since:
+            # A new waiter changes what the others may do (the scheduler's preferences
+            # give way when everyone waits): let them look again.
+            job.waiting_since = time.perf_counter()
             self._cond.notify_all()
-            victim = self.scheduler.stuck_victim()
-            if victim is not None:
-                self._jobs[victim].failed = self._no_room_message(victim)
-                self._cond.notify_all()
-                continue
-            self._cond.wait(WAIT_POLL_S)
+        victim = self.scheduler.stuck_victim()
+        if victim is not None:
+            self._jobs[victim].failed = self._no_room_message(victim)
+            self._cond.notify_all()
+            if victim == job.name:
+                raise JobTooLarge(job.failed)
+            return
+        self._cond.wait(WAIT_POLL_S)
 
     def _too_large_message(self, job: _Job, held: int) -> str:
         from wwrun.config import format_size
@@ -583,7 +595,10 @@ class Engine:
         if not any(ref() is optimizer for ref in job.optimizers):
             job.optimizers.append(weakref.ref(optimizer))
         job.iterations += 1
-        self._measure_persistent(job)
+        # Gradients and optimizer state appear in the first steps; afterwards a
+        # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
+        if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
+            self._measure_persistent(job)
         if job.discovering:
             with self._cond:
                 job.discovering = False

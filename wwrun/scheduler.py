@@ -204,23 +204,39 @@ class Scheduler:
     def _grantable(self, job: JobState, want: Want) -> bool:
         if not self._safe(job, want):
             return False
+        if self._preferred(job, want):
+            return True
+        # The preferences give way when they would leave everyone waiting: then the
+        # best ranked safe request goes (one always exists unless stuck_victim says so).
         others = [j for j in self.active() if j is not job]
-        if all(j.waiting is not None for j in others):
-            return True  # the preferences below only hold while another job can move
+        if any(j.waiting is None for j in others):
+            return False  # someone can still move
+        if any(self._preferred(j, j.waiting) and self._safe(j, j.waiting) for j in others):
+            return False
+        rivals = [j for j in others if self._safe(j, j.waiting)]
+        return all(self._rank(job) < self._rank(j) for j in rivals)
+
+    def _preferred(self, job: JobState, want: Want) -> bool:
+        """The ordering preferences; requests in the middle of a pass always pass."""
         if not want.pass_start:
             return True
+        others = [j for j in self.active() if j is not job]
         if want.profile and any(j.held > 0 or j.profiling for j in others):
             return False  # profile alone: let the others' passes drain first
-        if any(j.profiling or j.pending_profile for j in others):
+        if not want.profile and any(j.profiling or j.pending_profile for j in others):
             return False  # a profile goes first
-        return self._first_in_line(job)
+        return self._first_in_line(job, want.profile)
 
-    def _first_in_line(self, job: JobState) -> bool:
-        """No higher ranked waiting request that could go now instead."""
+    def _first_in_line(self, job: JobState, profile: bool) -> bool:
+        """No higher ranked waiting request that could go now instead. A profile is
+        behind other profiles only (the other pass starts wait for it)."""
         for other in self.active():
             if other is job or other.waiting is None:
                 continue
-            ahead = not other.waiting.pass_start or self._rank(other) < self._rank(job)
+            if profile:
+                ahead = other.pending_profile and self._rank(other) < self._rank(job)
+            else:
+                ahead = not other.waiting.pass_start or self._rank(other) < self._rank(job)
             if ahead and self._safe(other, other.waiting):
                 return False
         return True
