@@ -32,7 +32,8 @@ holds to within the error of the profile (exact for a fixed input signature). A
 profiling pass is measured as it runs, one module call at a time: it may overshoot by
 at most one module's activations before it waits; a newcomer's model is built by
 its script before wwrun sees it (it is admitted when the smallest job seen so far
-would fit), and its optimizer state appears at its first step unannounced. Transient memory (outputs not saved for backward, gradients in flight) is
+would fit). Gradients are reserved when the model is found, optimizer state before
+the optimizer's first step (guessing Adam's two buffers per parameter). Transient memory (outputs not saved for backward, gradients in flight) is
 not part of the CPU budget.
 
 Limitations: models first called after a job's first optimizer step are not found;
@@ -183,7 +184,7 @@ class Engine:
         self.peak_total = 0
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
-        self._step_handle = None
+        self._step_handles: list = []
         # Release listeners hear (job, bytes still held) as backward frees memory:
         # the allocator uses it to know who is about to free (its rule f).
         self.release_listeners: list[Callable[[str, int], None]] = []
@@ -298,11 +299,15 @@ class Engine:
                 handle.remove()
             self._global_handles = []
         active = any(j.ended is None for j in self._jobs.values())
-        if active and self._step_handle is None:
-            self._step_handle = torch_optimizer.register_optimizer_step_post_hook(self._after_step)
-        elif not active and self._step_handle is not None:
-            self._step_handle.remove()
-            self._step_handle = None
+        if active and not self._step_handles:
+            self._step_handles = [
+                torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
+                torch_optimizer.register_optimizer_step_post_hook(self._after_step),
+            ]
+        elif not active and self._step_handles:
+            for handle in self._step_handles:
+                handle.remove()
+            self._step_handles = []
 
     def _global_pre(self, module, args):
         job = self._job()
@@ -335,7 +340,9 @@ class Engine:
         with self._cond:
             job.models.append(model)
             job.param_keys |= {_storage_key(t) for t in _tensors_of(module)}
-        self._measure_persistent(job, predict=True)
+        measured, missing_grads = self._measure_persistent(job)
+        with self._cond:  # requested (and waited for) before the model's first pass
+            job.persistent_reserved = max(job.persistent_reserved, measured + missing_grads)
         return model
 
     # ---- passes -----------------------------------------------------------------------
@@ -588,37 +595,60 @@ class Engine:
         for listener in self.release_listeners:
             listener(job.name, held)
 
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """An optimizer's first step creates its state: reserve it first (and wait
+        for room), guessing Adam's two buffers per parameter; measured right after."""
+        job = self._job()
+        if job is None or any(ref() is optimizer for ref in job.optimizers):
+            return
+        job.optimizers.append(weakref.ref(optimizer))
+        stateless = sum(
+            p.numel() * p.element_size()
+            for group in optimizer.param_groups for p in group["params"]
+            if p.requires_grad and not optimizer.state.get(p)
+        )
+        self._measure_persistent(job)
+        with self._cond:
+            guess = 2 * stateless
+            state = self.scheduler.jobs.get(job.name)
+            if self.capacity is not None and state is not None:
+                # A guess must never make a job "too large": keep it within the room
+                # the job would have alone.
+                guess = min(guess, max(0, self.capacity - job.persistent_peak - (state.claim or 0)))
+            job.persistent_reserved = job.persistent_peak + guess
+            self._persistent_admission(job)
+
     def _after_step(self, optimizer, args, kwargs) -> None:
         job = self._job()
         if job is None:
             return
-        if not any(ref() is optimizer for ref in job.optimizers):
-            job.optimizers.append(weakref.ref(optimizer))
         job.iterations += 1
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
         if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
             self._measure_persistent(job)
+            with self._cond:
+                job.persistent_reserved = job.persistent_peak
+                if job.name in self.scheduler.jobs:
+                    self.scheduler.set_persistent(job.name, job.persistent_reserved)
         if job.discovering:
             with self._cond:
                 job.discovering = False
                 self._install_global_hooks()
 
-    def _measure_persistent(self, job: _Job, predict: bool = False) -> None:
-        """Parameters, buffers, gradients and optimizer state, once per storage. At a
-        model's discovery its gradients are predicted (backward will create them);
-        the optimizer's state is not (none for SGD, 2x the parameters for Adam): it
-        is measured at the first step."""
+    def _measure_persistent(self, job: _Job) -> tuple[int, int]:
+        """Parameters, buffers, gradients and optimizer state, once per storage.
+        Returns (bytes, bytes of the gradients backward has yet to create)."""
         seen: dict[int, int] = {}
-        trainable = 0
+        missing_grads = 0
         for model in job.models:
             for tensor in _tensors_of(model.module):
                 seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
                 grad = getattr(tensor, "grad", None)
                 if grad is not None:
                     seen[_storage_key(grad)] = grad.untyped_storage().nbytes()
-                if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
-                    trainable += tensor.numel() * tensor.element_size()
+                elif isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                    missing_grads += tensor.numel() * tensor.element_size()
         for ref in job.optimizers:
             optimizer = ref()
             for state in optimizer.state.values() if optimizer is not None else ():
@@ -629,12 +659,7 @@ class Engine:
         with self._cond:
             self._set_persistent(job, measured)
             job.persistent_peak = max(job.persistent_peak, measured)
-            if predict and job.iterations == 0:
-                job.persistent_reserved = max(job.persistent_reserved, measured + trainable)
-            elif not predict:
-                job.persistent_reserved = job.persistent_peak
-                if job.name in self.scheduler.jobs:
-                    self.scheduler.set_persistent(job.name, job.persistent_reserved)
+        return measured, missing_grads
 
     def _set_persistent(self, job: _Job, nbytes: int) -> None:
         self._total += nbytes - job.persistent
