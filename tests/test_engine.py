@@ -274,3 +274,35 @@ def test_trace_and_reports(tmp_path):
     else:
         engine.write_memory_plot(str(tmp_path / "m.png"))
         assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_activation_checkpointing_still_recomputes_and_backward_never_waits():
+    """A checkpointed model keeps its checkpoint (our saved-tensor hooks must not
+    shadow torch.utils.checkpoint's, which would store every activation), and its
+    forward re-run inside backward neither starts a pass nor waits."""
+    from torch.utils.checkpoint import checkpoint
+
+    engine = Engine(64 * 2**20, "waterwave")
+    recomputed, passes = [], []
+
+    def body():
+        engine.job_started("ckpt")
+        try:
+            inner = mlp()
+            inner[0].register_forward_pre_hook(lambda m, a: recomputed.append(torch.is_grad_enabled()))
+            outer = nn.Sequential(nn.Linear(32, 32))
+            opt = torch.optim.SGD([*inner.parameters(), *outer.parameters()], lr=0.1)
+            for _ in range(3):
+                h = outer(torch.randn(16, 32))
+                checkpoint(inner, h, use_reentrant=False).sum().backward()
+                opt.step()
+                passes.append(engine._jobs["ckpt"].passes)
+        finally:
+            engine.job_finished("ckpt")
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(recomputed) == 6, "inner's forward runs twice per iteration: once more in backward"
+    assert passes == [2, 4, 6], "two models per iteration, none counted again in backward"

@@ -37,7 +37,9 @@ the optimizer's first step (guessing Adam's two buffers per parameter). Transien
 not part of the CPU budget.
 
 Limitations: models first called after a job's first optimizer step are not found;
-forward passes under `no_grad` are neither profiled nor gated (they retain nothing).
+forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
+a model called inside someone else's saved-tensor hooks (a checkpointed model) is
+gated but its activations are not counted, so as not to defeat those hooks.
 """
 
 from __future__ import annotations
@@ -350,6 +352,8 @@ class Engine:
         job = self._job()
         if job is None or job.current is not None or not torch.is_grad_enabled():
             return  # another thread, a nested model, or a pass that retains nothing
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward re-run inside backward (checkpointing): never block there
         if model not in job.models:
             return
         signature = _signature(args, kwargs)
@@ -365,6 +369,10 @@ class Engine:
         except BaseException:
             self._end_pass(job, failed=True)
             raise
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # Someone else's saved-tensor hooks (activation checkpointing, offloading)
+            # decide what this pass keeps: ours on top would bypass them.
+            return
         current.saved_hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: self._pack(job, t), _unpack
         )
