@@ -21,9 +21,11 @@ GPU idle); the sequential baseline is also timed with all cores.
 (d) the cost of one gate (an admission decision on the job's thread, µs) and a
     single job's overhead under waterwave against the same loop without wwrun.
 
-Prints the figures, then LAST one JSON object on one line. On a GPU, run the same
-command with --device cuda (not possible on the machine this was written on; the
-CUDA path then needs the allocator's memory probe).
+Prints the figures, then LAST one JSON object on one line; full runs also save it
+to benchmarks/results/waterwave-<device>.json. On a GPU the same experiments are one
+command, `python benchmarks/waterwave.py --device cuda` (never run: the machine it
+was written on has no GPU; the budget is then kept by the engine's device-independent
+saved-tensor accounting, not yet by the allocator's stats).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from wwrun.engine import Engine, JobTooLarge  # noqa: E402
 
 INPUTS, CLASSES = 32, 10
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -58,14 +61,18 @@ def make_model(width: int, seed: int) -> nn.Module:
     return model
 
 
+DEVICE = "cpu"  # --device
+
+
 def train(width: int, batch: int, steps: int, seed: int) -> float:
     """One job's script body; returns the last loss."""
     g = torch.Generator().manual_seed(seed)
-    model = make_model(width, seed)
+    model = make_model(width, seed).to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss = torch.zeros(())
     for _ in range(steps):
         x, y = torch.randn(batch, INPUTS, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+        x, y = x.to(DEVICE), y.to(DEVICE)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -99,14 +106,20 @@ def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
 
 
 def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
-    """Every job finished, all of them ran at the same time at some point (none
-    merely queued behind the others), and the measured peak stayed in budget."""
+    """Whether the jobs train together within `capacity`.
+
+    waterwave: every job finishes, all ran at the same time at some point (none just
+    queued behind the others) and the measured peak stayed in budget. concurrent
+    (spatial sharing): the jobs' peaks must fit side by side, as separate processes
+    each keeping their peak (caching allocators) would need."""
     engine = Engine(capacity, policy)
     _, errors = run_threads(engine, jobs)
     if any(e is not None and not isinstance(e, JobTooLarge) for e in errors.values()):
         raise next(e for e in errors.values() if e is not None)
     if any(e is not None for e in errors.values()):
         return False
+    if policy != "waterwave":
+        return sum(engine.job_report(name)["peak_memory_bytes"] for name in errors) <= capacity
     runs = [engine._jobs[name] for name in errors]
     together = max(j.admitted for j in runs) < min(j.ended for j in runs)
     return together and engine.run_report()["peak_memory_bytes"] <= capacity
@@ -130,19 +143,27 @@ def job_peak(width: int, batch: int) -> int:
 
 
 def processes(jobs: list[dict]) -> float:
-    """The jobs as separate processes side by side (spatial sharing): seconds from
-    the first job's first step to the last job's end (interpreter start excluded)."""
+    """The jobs as separate processes side by side (spatial sharing): seconds from a
+    common start (every worker has imported torch and waits on stdin) to the last
+    job's end (its "done"; interpreter start and exit, ~2 s each with torch, excluded)."""
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, __file__, "--device", DEVICE, "--worker", json.dumps(spec)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for spec in jobs
     ]
-    spans = []
     for p in procs:
-        out, _ = p.communicate()
-        if p.returncode != 0:
+        assert p.stdout.readline().strip() == "ready"
+    start = time.perf_counter()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        if p.stdout.readline().strip() != "done":
             raise RuntimeError("a worker process failed")
-        spans.append(json.loads(out.strip().splitlines()[-1]))
-    return max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    elapsed = time.perf_counter() - start
+    for p in procs:
+        p.wait()
+    return elapsed
 
 
 def median_time(fn, repeats: int) -> float:
@@ -152,17 +173,26 @@ def median_time(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
     if args.worker:
-        start = time.time()
-        train(**json.loads(args.worker))
-        print(json.dumps({"start": start, "end": time.time()}))
+        spec = json.loads(args.worker)
+        # One-time imports, and the allocator's warm-up (glibc raises its mmap threshold
+        # after the first large frees), as the parent process has had them.
+        train(**{**spec, "steps": 2})
+        print("ready", flush=True)
+        sys.stdin.readline()
+        train(**spec)
+        print("done", flush=True)
         return
     repeats, steps = (3, 10) if args.quick else (5, 30)
+    train(width=8, batch=2, steps=2, seed=0)  # one-time imports and warm-up
     width = 128
-    result: dict = {"device": "cpu", "threads_per_job": 1, "torch": torch.__version__}
+    result: dict = {"device": DEVICE, "threads_per_job": 1, "torch": torch.__version__, "quick": args.quick}
 
     # (a) largest batch, solo and shared.
     capacity_a = 32 * 2**20
@@ -221,25 +251,26 @@ def main() -> None:
     result["c_speedup_vs_processes"] = round(side / roomy, 3)
     print(f"(c) no oversubscription: waterwave {roomy:.2f}s, processes {side:.2f}s ({side / roomy:.2f}x)")
 
-    # (d) one gate, and a single job's overhead.
+    # (d) one gate, and a single job's overhead: a tiny iteration (a few ms, the
+    # worst case: the cost per gate and per saved tensor is fixed) and a larger one.
     result["d_gate_us"] = round(gate_cost_us(), 2)
-    single = [dict(width=256, batch=512, steps=steps * 2, seed=0)]
-
-    def plain():
-        return run_threads(None, single)[0]
-
-    def engined():
-        return run_threads(Engine(1 << 34, "waterwave"), single)[0]
-
-    plain_s, engine_s = [], []
-    for _ in range(repeats):  # interleaved, so drift hits both alike
-        plain_s.append(plain())
-        engine_s.append(engined())
-    # The least of the runs: on a shared machine the noise only ever adds time.
-    overhead = min(engine_s) / min(plain_s) - 1
-    result["d_single_job_overhead"] = round(overhead, 4)
-    result["d_single_job_overhead_median"] = round(statistics.median(engine_s) / statistics.median(plain_s) - 1, 4)
-    print(f"(d) one gate {result['d_gate_us']} µs; a single job under waterwave: {overhead * 100:+.2f}%")
+    for label, batch_d in (("small", 512), ("large", 4096)):
+        single = [dict(width=256, batch=batch_d, steps=steps * 2, seed=0)]
+        plain_s, engine_s = [], []
+        for _ in range(repeats):  # interleaved, so drift hits both alike
+            plain_s.append(run_threads(None, single)[0])
+            engine_s.append(run_threads(Engine(1 << 34, "waterwave"), single)[0])
+        # The least of the runs: on a shared machine the noise only ever adds time.
+        overhead = min(engine_s) / min(plain_s) - 1
+        result[f"d_single_job_overhead_{label}"] = round(overhead, 4)
+        result[f"d_iteration_ms_{label}"] = round(min(plain_s) / (steps * 2) * 1e3, 2)
+        print(f"(d) a single job under waterwave, {min(plain_s) / (steps * 2) * 1e3:.1f} ms per "
+              f"iteration: {overhead * 100:+.2f}% (median {statistics.median(engine_s) / statistics.median(plain_s) * 100 - 100:+.2f}%)")
+    print(f"(d) one gate: {result['d_gate_us']} µs")
+    if not args.quick:
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
+            json.dump(result, f, indent=1)
     print(json.dumps(result))
 
 
