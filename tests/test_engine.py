@@ -22,7 +22,7 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
-def mlp(width=256, inputs=32, outputs=10, seed=0):
+def mlp(width=256, inputs=32, outputs=10, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, outputs)
@@ -30,20 +30,21 @@ def mlp(width=256, inputs=32, outputs=10, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return model.to(device)
 
 
-def train(engine, name, batch, steps=4, width=256, seed=0, hold=None, events=None, batches=None):
+def train(engine, name, batch, steps=4, width=256, seed=0, hold=None, events=None, batches=None, device="cpu"):
     """A training script: returns its losses. Exceptions are returned, not raised."""
     engine.job_started(name)
     try:
         g = torch.Generator().manual_seed(seed)
-        model = mlp(width, seed=seed)
+        model = mlp(width, seed=seed, device=device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         losses = []
         for step in range(steps):
             b = batches[step] if batches else batch
             x, y = torch.randn(b, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
+            x, y = x.to(device), y.to(device)
             loss = nn.functional.cross_entropy(model(x), y)
             if events is not None:
                 events.append((time.perf_counter(), name, "forward done"))
@@ -306,3 +307,16 @@ def test_activation_checkpointing_still_recomputes_and_backward_never_waits():
     assert not t.is_alive()
     assert len(recomputed) == 6, "inner's forward runs twice per iteration: once more in backward"
     assert passes == [2, 4, 6], "two models per iteration, none counted again in backward"
+
+
+@pytest.mark.gpu
+def test_three_jobs_over_budget_on_cuda():
+    """The CPU budget test on CUDA tensors (the saved-tensor accounting is
+    device-independent; transients are reserved on top of the claims)."""
+    batch = 4096
+    capacity = int(3 * 3 * param_bytes() + 1.6 * activation_bytes(batch))
+    engine = Engine(capacity, "waterwave", device="cuda")
+    results = run_threads(engine, {n: {"batch": batch, "steps": 6, "device": "cuda"} for n in "abc"})
+    assert all(isinstance(r, list) and len(r) == 6 for r in results.values()), results
+    assert engine.run_report()["peak_memory_bytes"] <= capacity
+    assert sum(engine.job_report(n)["peak_memory_bytes"] for n in "abc") > capacity

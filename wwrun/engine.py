@@ -276,7 +276,7 @@ class Engine:
             for model in job.models:
                 plan = self._main_plan(model)
                 if plan is not None:
-                    lines.append(f"[{job.name}] " + explain_plan(model.label, plan))
+                    lines.append(f"[{job.name}] " + explain_plan(model.label, plan, job.persistent_peak))
         return "\n".join(lines)
 
     # ---- discovery --------------------------------------------------------------------
@@ -341,7 +341,7 @@ class Engine:
         ]
         with self._cond:
             job.models.append(model)
-            job.param_keys |= {_storage_key(t) for t in _tensors_of(module)}
+            job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
         measured, missing_grads = self._measure_persistent(job)
         with self._cond:  # requested (and waited for) before the model's first pass
             job.persistent_reserved = max(job.persistent_reserved, measured + missing_grads)
@@ -436,7 +436,7 @@ class Engine:
         self._gate(job, 0, 0, profile=True)
 
     def _profile_output(self, current: _Pass, output) -> None:
-        nbytes = sum(t.untyped_storage().nbytes() for t in _flat_tensors(output))
+        nbytes = sum(_nbytes(t) for t in _flat_tensors(output))
         node = current.nodes[-1]
         node.transient_bytes = max(node.transient_bytes, nbytes)
 
@@ -446,7 +446,7 @@ class Engine:
             counts[node.module] = counts.get(node.module, 0) + 1
         for node in current.nodes:
             node.calls = counts[node.module]
-        plan = make_plan(current.nodes, self.nodegroups, persistent_bytes=job.persistent)
+        plan = make_plan(current.nodes, self.nodegroups)
         current.plan = plan
         model = current.model
         model.plans[current.signature] = plan
@@ -558,12 +558,11 @@ class Engine:
 
     # ---- measurement --------------------------------------------------------------------
     def _pack(self, job: _Job, tensor: torch.Tensor):
-        try:
-            storage = tensor.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # sparse, nested, meta...
+        nbytes = _nbytes(tensor)
+        if nbytes == 0:
             return tensor
-        if nbytes == 0 or key in job.param_keys:
+        key = _storage_key(tensor)
+        if key in job.param_keys:
             return tensor
         with self._cond:
             count = job.saved.get(key, 0)
@@ -651,18 +650,19 @@ class Engine:
         missing_grads = 0
         for model in job.models:
             for tensor in _tensors_of(model.module):
-                seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+                if _nbytes(tensor):
+                    seen[_storage_key(tensor)] = _nbytes(tensor)
                 grad = getattr(tensor, "grad", None)
-                if grad is not None:
-                    seen[_storage_key(grad)] = grad.untyped_storage().nbytes()
+                if grad is not None and _nbytes(grad):
+                    seen[_storage_key(grad)] = _nbytes(grad)
                 elif isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
                     missing_grads += tensor.numel() * tensor.element_size()
         for ref in job.optimizers:
             optimizer = ref()
             for state in optimizer.state.values() if optimizer is not None else ():
                 for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.numel() > 0:
-                        seen[_storage_key(value)] = value.untyped_storage().nbytes()
+                    if isinstance(value, torch.Tensor) and _nbytes(value):
+                        seen[_storage_key(value)] = _nbytes(value)
         measured = sum(seen.values())
         with self._cond:
             self._set_persistent(job, measured)
@@ -699,6 +699,14 @@ class Engine:
 
 def _unpack(saved):
     return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's storage; 0 for tensors without one (sparse, nested, meta)."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -66,7 +66,6 @@ class Plan:
     """The groups of one model for one input signature, with the growth each asks for."""
 
     groups: list[Group]
-    persistent_bytes: int = 0
     entry_index: dict[str, int] = field(default_factory=dict)
     """Entry module name -> group index."""
 
@@ -142,10 +141,10 @@ def auto_groups(nodes: list[Node]) -> int:
     return max(1, min(MAX_AUTO_GROUPS, nonzero))
 
 
-def make_plan(nodes: list[Node], groups: int | None = None, persistent_bytes: int = 0) -> Plan:
+def make_plan(nodes: list[Node], groups: int | None = None) -> Plan:
     """The NodeGroups of a profiled pass: `groups` of them (None: `auto_groups`)."""
     if not nodes:
-        return Plan(groups=[], persistent_bytes=persistent_bytes)
+        return Plan(groups=[])
     # Segments start at modules called once per pass; a repeated module (a shared
     # activation, a looped cell) stays with the segment before it.
     segments: list[list[Node]] = []
@@ -167,16 +166,16 @@ def make_plan(nodes: list[Node], groups: int | None = None, persistent_bytes: in
                 transient_bytes=max(n.transient_bytes for n in members),
             )
         )
-    return Plan(groups=result, persistent_bytes=persistent_bytes)
+    return Plan(groups=result)
 
 
-def explain_plan(model: str, plan: Plan) -> str:
+def explain_plan(model: str, plan: Plan, persistent_bytes: int) -> str:
     """Human-readable groups, for `wwrun --explain` and the logs."""
     from wwrun.config import format_size
 
     lines = [
         f"{model}: {len(plan.groups)} NodeGroups, {format_size(plan.retained_bytes)} retained"
-        f" activations, {format_size(plan.persistent_bytes)} persistent"
+        f" activations, {format_size(persistent_bytes)} persistent (the job's)"
     ]
     for i, group in enumerate(plan.groups):
         shown = ", ".join(m or "<root>" for m in group.modules[:6])

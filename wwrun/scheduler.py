@@ -21,10 +21,14 @@ all wait at once: no deadlock.
 
 Jobs being profiled (their first iteration, or a new input shape) have no claim yet.
 They start a pass only when no other job holds activations, and other jobs' new
-passes wait for them unless they themselves are waiting; running alone they come
-first in the order (they will hand their bytes back), else last (keeping them). If every job ever waits with no
-request grantable (only possible when a profile reveals a job that does not fit
-beside the others), `stuck_victim` names the job to fail.
+passes wait for them; running alone they come first in the safe order (they will
+hand their bytes back), else last (keeping them). These ordering preferences give
+way whenever they alone would leave every job waiting. If every job waits and no
+request is even safe (only possible when a profile or a newcomer's model reveals a
+job that does not fit beside the others), `stuck_victim` names the job to fail.
+
+Jobs are admitted (`try_start`) in queue order once the running ones are profiled
+and one more job like the smallest seen so far would fit: sum P + max A <= capacity.
 
 Waiting requests are served in queue order: requests in the middle of a pass first
 (finishing a pass frees memory sooner), then pass starts by priority and then FIFO
