@@ -320,3 +320,64 @@ def test_three_jobs_over_budget_on_cuda():
     assert all(isinstance(r, list) and len(r) == 6 for r in results.values()), results
     assert engine.run_report()["peak_memory_bytes"] <= capacity
     assert sum(engine.job_report(n)["peak_memory_bytes"] for n in "abc") > capacity
+
+
+def small_cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.block = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
+        return self.head(self.block(self.embed(tokens)))
+
+
+def train_model(kind, engine, name, steps=3):
+    """A CNN (BatchNorm, in-place ReLU) or a transformer block, with the engine's job
+    calls when `engine` is given; returns the losses."""
+    if engine is not None:
+        engine.job_started(name)
+    try:
+        torch.manual_seed(0)  # only this thread builds a model while it runs
+        g = torch.Generator().manual_seed(1)
+        model = small_cnn() if kind == "cnn" else TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(steps):
+            if kind == "cnn":
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+                loss = nn.functional.cross_entropy(model(x), y)
+            else:
+                tokens = torch.randint(0, 50, (4, 12), generator=g)
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    finally:
+        if engine is not None:
+            engine.job_finished(name)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_real_layers_train_identically_under_the_engine(kind):
+    plain = train_model(kind, None, kind)
+    engine = Engine(256 * 2**20, "waterwave")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(kind, train_model(kind, engine, kind)))
+    t.start()
+    t.join(60)
+    assert result[kind] == plain
+    report = engine.job_report(kind)
+    assert report["iterations"] == 3 and len(report["nodegroups"]) > 1
+    assert sum(g["bytes"] for g in report["nodegroups"]) > 0

@@ -10,7 +10,7 @@ means `used` never exceeds the capacity.
 """
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -29,7 +29,6 @@ class SimJob:
     group: int = 0  # next group to ask for (forward) or to free (backward)
     held: int = 0
     waits: int = 0
-    log: list = field(default_factory=list)
 
     @property
     def claim(self):

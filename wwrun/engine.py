@@ -27,14 +27,15 @@ retained for backward (live saved tensors). On CUDA a `memory_probe(job)` (the
 allocator's per-job stats) reports memory instead; gating still uses the saved-tensor
 accounting, which is device-independent.
 
-Budget tolerance on the CPU: a job's later passes ask before they grow, so the budget
-holds to within the error of the profile (exact for a fixed input signature). A
-profiling pass is measured as it runs, one module call at a time: it may overshoot by
-at most one module's activations before it waits; a newcomer's model is built by
-its script before wwrun sees it (it is admitted when the smallest job seen so far
-would fit). Gradients are reserved when the model is found, optimizer state before
-the optimizer's first step (guessing Adam's two buffers per parameter). Transient memory (outputs not saved for backward, gradients in flight) is
-not part of the CPU budget.
+Budget tolerance on the CPU (what tests/test_engine.py checks): passes of a profiled
+signature ask before they grow, so the budget holds exactly for fixed input shapes.
+Three things are measured only as they happen: a profiling pass (it checks after
+each module call, so it may overshoot by one module's activations before it waits),
+a newcomer's model (built by its script before wwrun sees it; a job is admitted only
+when one like the smallest seen so far would fit) and optimizer state beyond the
+guess made before the first step (Adam's two buffers per parameter). Gradients are
+reserved when the model is found. Transient memory (outputs not saved for backward,
+gradients in flight) is not part of the CPU budget.
 
 Limitations: models first called after a job's first optimizer step are not found;
 forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
@@ -543,9 +544,10 @@ class Engine:
         from wwrun.config import format_size
 
         others = [j for j in self._jobs.values() if j.name != name and j.ended is None]
+        held = format_size(sum(j.persistent_reserved for j in others))
         return (
             f"job {name!r} does not fit beside the running jobs"
-            f" ({', '.join(j.name for j in others)} hold {format_size(sum(j.persistent_reserved for j in others))}"
+            f" ({', '.join(j.name for j in others)} hold {held}"
             f" persistent) within {format_size(self.capacity)}; run it with fewer jobs at once"
             " (--max-concurrent) or a larger --memory-limit"
         )
