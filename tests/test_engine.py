@@ -381,3 +381,48 @@ def test_real_layers_train_identically_under_the_engine(kind):
     report = engine.job_report(kind)
     assert report["iterations"] == 3 and len(report["nodegroups"]) > 1
     assert sum(g["bytes"] for g in report["nodegroups"]) > 0
+
+
+def test_a_job_failing_mid_iteration_releases_its_reservation():
+    """The failing job dies holding a pass of activations (its traceback even keeps
+    them alive); job_finished hands its reservation back and the waiting job goes on."""
+    batch = 512
+    capacity = 2 * 3 * param_bytes() + activation_bytes(batch) + activation_bytes(batch) // 2
+    engine = Engine(capacity, "waterwave")
+    holding = threading.Event()
+    results = {}
+
+    def failing():
+        engine.job_started("fails")
+        try:
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model(torch.randn(batch, 32)).sum().backward()
+            opt.step()
+            model(torch.randn(batch, 32))  # holds a pass of activations...
+            holding.set()
+            time.sleep(0.4)
+            raise RuntimeError("crash before backward")  # ...and dies with them
+        except RuntimeError as err:
+            results["fails"] = err
+        finally:
+            engine.job_finished("fails")
+
+    t = threading.Thread(target=failing)
+    t.start()
+    assert holding.wait(10)
+    results.update(run_threads(engine, {"survives": {"batch": batch, "steps": 3}}))
+    t.join(10)
+    assert isinstance(results["fails"], RuntimeError)
+    assert isinstance(results["survives"], list) and len(results["survives"]) == 3
+    assert engine.job_report("survives")["wait_s"] > 0.2, "it waited for the failing job"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_nodegroups_option_sets_the_number_of_groups(groups):
+    engine = Engine(None, "waterwave", nodegroups=groups)
+    run_threads(engine, {"a": {"batch": 64, "steps": 1}})
+    sizes = [g["bytes"] for g in engine.job_report("a")["nodegroups"]]
+    assert len(sizes) == groups and sum(sizes) == activation_bytes(64)
+    with pytest.raises(ValueError):
+        Engine(None, "waterwave", nodegroups=0)

@@ -240,3 +240,14 @@ def test_las_serves_least_attained_service_first():
 
     assert run("fifo") == ["old"]
     assert run("las") == ["new"]
+
+
+def test_higher_priority_job_starts_first():
+    sched = Scheduler(1000)
+    profiled(sched, "running", 200, 700)
+    sched.enqueue("low", priority=0)
+    sched.enqueue("high", priority=5)
+    assert not sched.try_start("low") and not sched.try_start("high")  # no room yet
+    sched.finish("running")
+    assert not sched.try_start("low"), "high is first in the queue"
+    assert sched.try_start("high")
