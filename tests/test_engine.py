@@ -429,3 +429,30 @@ def test_nodegroups_option_sets_the_number_of_groups(groups):
     assert len(sizes) == groups and sum(sizes) == activation_bytes(64)
     with pytest.raises(ValueError):
         Engine(None, "waterwave", nodegroups=0)
+
+
+def test_an_evaluation_only_job_does_not_hold_back_the_queue():
+    """A job that only runs forward under no_grad is never profiled; it retains
+    nothing, so a queued job starts beside it."""
+    engine = Engine(64 * 2**20, "waterwave")
+    evaluating, done = threading.Event(), threading.Event()
+
+    def evaluate():
+        engine.job_started("eval")
+        try:
+            model = mlp()
+            with torch.no_grad():
+                model(torch.randn(8, 32))
+            evaluating.set()
+            done.wait(10)
+        finally:
+            engine.job_finished("eval")
+
+    t = threading.Thread(target=evaluate)
+    t.start()
+    assert evaluating.wait(10)
+    results = run_threads(engine, {"train": {"batch": 32, "steps": 2}})
+    done.set()
+    t.join(10)
+    assert isinstance(results["train"], list)
+    assert engine.job_report("train")["queued_s"] < 5

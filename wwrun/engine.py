@@ -351,8 +351,17 @@ class Engine:
     # ---- passes -----------------------------------------------------------------------
     def _root_pre(self, model: _Model, module, args, kwargs) -> None:
         job = self._job()
-        if job is None or job.current is not None or not torch.is_grad_enabled():
-            return  # another thread, a nested model, or a pass that retains nothing
+        if job is None or job.current is not None:
+            return  # another thread, or a model nested in another
+        if not torch.is_grad_enabled():
+            # A pass that retains nothing. A job that has only run such passes (an
+            # evaluation) is sized: nothing retained, so newcomers need not wait for it.
+            state = self.scheduler.jobs.get(job.name)
+            if state is not None and state.claim is None and not state.profiling and not state.pending_profile:
+                with self._cond:
+                    self.scheduler.end_profile(job.name, 0)
+                    self._cond.notify_all()
+            return
         if torch._C._current_graph_task_id() != -1:
             return  # a forward re-run inside backward (checkpointing): never block there
         if model not in job.models:

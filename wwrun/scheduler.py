@@ -159,8 +159,8 @@ class Scheduler:
         job = self.jobs[name]
         job.profiling = job.pending_profile = False
         job.claim = max(job.claim or 0, claim)
-        if self.smallest is None or job.footprint < sum(self.smallest):
-            self.smallest = (job.persistent, job.claim)
+        if job.claim > 0 and (self.smallest is None or job.footprint < sum(self.smallest)):
+            self.smallest = (job.persistent, job.claim)  # a model that trains: the guess for newcomers
 
     def fits_alone(self, name: str, held: int | None = None, persistent: int | None = None) -> bool:
         job = self.jobs[name]
