@@ -1,0 +1,458 @@
+"""The engine on real models in real threads, on the CPU with a memory budget
+(wwrun/engine.py). Plain threads stand in for the launcher: each calls
+`job_started` before its training loop and `job_finished` after it."""
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from wwrun.engine import Engine, JobTooLarge
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # same arithmetic in every run; 2 shared cores
+    yield
+    torch.set_num_threads(before)
+
+
+def mlp(width=256, inputs=32, outputs=10, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, outputs)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.to(device)
+
+
+def train(engine, name, batch, steps=4, width=256, seed=0, hold=None, events=None, batches=None, device="cpu"):
+    """A training script: returns its losses. Exceptions are returned, not raised."""
+    engine.job_started(name)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        model = mlp(width, seed=seed, device=device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for step in range(steps):
+            b = batches[step] if batches else batch
+            x, y = torch.randn(b, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
+            x, y = x.to(device), y.to(device)
+            loss = nn.functional.cross_entropy(model(x), y)
+            if events is not None:
+                events.append((time.perf_counter(), name, "forward done"))
+            if hold is not None:
+                hold.wait()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    except Exception as err:  # the launcher would report it as this job's failure
+        return err
+    finally:
+        engine.job_finished(name)
+
+
+def run_threads(engine, jobs):
+    """jobs: {name: kwargs for train}; returns {name: losses or exception}."""
+    results = {}
+
+    def body(name, kwargs):
+        results[name] = train(engine, name, **kwargs)
+
+    threads = [threading.Thread(target=body, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a job hung"
+    return results
+
+
+def activation_bytes(batch, width=256, inputs=32):
+    """Saved for backward by mlp(): the input (Linear 0) and each ReLU's output (which
+    the next Linear saves too: the same storage, counted once)."""
+    return batch * inputs * F32 + 2 * batch * width * F32
+
+
+def param_bytes(width=256, inputs=32, outputs=10):
+    return F32 * (inputs * width + width + width * width + width + width * outputs + outputs)
+
+
+def test_profiled_bytes_match_hand_computed_sizes():
+    engine = Engine(None, "waterwave")
+    result = run_threads(engine, {"a": {"batch": 64, "steps": 2}})["a"]
+    assert isinstance(result, list)
+    report = engine.job_report("a")
+    assert sum(g["bytes"] for g in report["nodegroups"]) == activation_bytes(64)
+    # Groups: the input with Linear 0, then each ReLU's output.
+    assert [g["bytes"] for g in report["nodegroups"]] == [64 * 32 * F32, 64 * 256 * F32, 64 * 256 * F32]
+    assert report["nodegroups"][1]["modules"] == ["Sequential.1", "Sequential.2"]
+    assert report["iterations"] == 2
+    # Peak: parameters + gradients + momentum, plus the activations of one pass.
+    assert report["peak_memory_bytes"] == 3 * param_bytes() + activation_bytes(64)
+    assert "3 NodeGroups" in engine.explain()
+
+
+def test_three_jobs_over_budget_all_finish_interleaved_under_the_limit():
+    batch = 1024
+    peak_alone = 3 * param_bytes() + activation_bytes(batch)
+    capacity = int(3 * 3 * param_bytes() + 1.4 * activation_bytes(batch))
+    assert 3 * peak_alone > capacity, "the summed peaks must exceed the budget"
+    engine = Engine(capacity, "waterwave", trace=True)
+    events = []
+    results = run_threads(engine, {n: {"batch": batch, "steps": 6, "events": events} for n in "abc"})
+    assert all(isinstance(r, list) and len(r) == 6 for r in results.values()), results
+    run = engine.run_report()
+    assert run["memory_limit_bytes"] == capacity
+    # Measured (params, grads, optimizer state, live saved tensors) never above the
+    # limit: exact here, since each job's pass is profiled before it is admitted.
+    assert run["peak_memory_bytes"] <= capacity
+    assert all(engine.job_report(n)["peak_memory_bytes"] == peak_alone for n in "abc")
+    assert sum(engine.job_report(n)["wait_s"] for n in "abc") > 0
+    # Interleaved, not one after another: every job finished a forward pass while
+    # another job was between its first and last forward.
+    spans = {n: (min(t for t, j, _ in events if j == n), max(t for t, j, _ in events if j == n)) for n in "abc"}
+    for n in "abc":
+        others = [spans[o] for o in "abc" if o != n]
+        assert any(start < spans[n][1] and spans[n][0] < end for start, end in others)
+
+
+def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():
+    """a holds a whole pass of activations (stopped before its backward); b's next
+    forward enters the groups that fit and waits at the entry of the one that does
+    not, until a's backward hands its memory back."""
+    batch = 512
+    groups = [batch * 32 * F32, batch * 256 * F32, batch * 256 * F32]
+    capacity = 6 * param_bytes() + activation_bytes(batch) + groups[0] + groups[1] + groups[2] // 2
+    engine = Engine(capacity, "waterwave")
+    step = {name: threading.Event() for name in ("a_profiled", "b_profiled", "go_a", "a_forward", "go_b", "a_backward")}
+    entered = []  # (job, index of a layer whose forward completed)
+    results = {}
+
+    def script(name, first_signal, before_second, after_forward=None, before_backward=None):
+        engine.job_started(name)
+        try:
+            model = mlp(seed=1)
+            for index, layer in enumerate(model):
+                layer.register_forward_hook(lambda m, a, out, index=index: entered.append((name, index)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for iteration in range(2):
+                if iteration == 1:
+                    step[before_second].wait(10)
+                    entered.clear() if name == "b" else None
+                loss = model(torch.randn(batch, 32)).square().mean()
+                if iteration == 1 and after_forward:
+                    step[after_forward].set()
+                    step[before_backward].wait(10)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if iteration == 0:
+                    step[first_signal].set()
+            results[name] = True
+        except Exception as err:
+            results[name] = err
+        finally:
+            engine.job_finished(name)
+
+    ta = threading.Thread(target=script, args=("a", "a_profiled", "go_a", "a_forward", "a_backward"))
+    tb = threading.Thread(target=lambda: (step["a_profiled"].wait(10), script("b", "b_profiled", "go_b")))
+    ta.start()
+    tb.start()
+    assert step["b_profiled"].wait(10)
+    step["go_a"].set()
+    assert step["a_forward"].wait(10)  # a holds its activations now
+    step["go_b"].set()
+    # b runs groups 0 (root, Linear 0) and 1 (ReLU 1, Linear 2), then waits at the
+    # entry of group 2 (ReLU 3) for as long as a holds its activations.
+    deadline = time.perf_counter() + 10
+    while len([i for name, i in entered if name == "b"]) < 3 and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert [i for name, i in entered if name == "b"] == [0, 1, 2]
+    step["a_backward"].set()
+    ta.join(30)
+    tb.join(30)
+    assert results == {"a": True, "b": True}
+    assert [i for name, i in entered if name == "b"] == [0, 1, 2, 3, 4]
+    assert engine.job_report("b")["wait_s"] >= 0.4
+    assert engine.run_report()["peak_memory_bytes"] <= capacity
+
+
+def test_reprofiles_when_the_input_shape_changes():
+    engine = Engine(10 * 2**20, "waterwave")
+    result = run_threads(engine, {"a": {"batch": 0, "steps": 4, "batches": [64, 64, 40, 64]}})["a"]
+    assert isinstance(result, list)
+    job = engine._jobs["a"]
+    assert job.profiles == 2
+    model = job.models[0]
+    assert sorted(p.retained_bytes for p in model.plans.values()) == [activation_bytes(40), activation_bytes(64)]
+
+
+def test_losses_are_bit_identical_alone_and_beside_other_jobs():
+    alone = train(Engine(None, "concurrent"), "solo", batch=256, steps=5, seed=3)
+    batch = 256
+    capacity = int(3 * 3 * param_bytes() + 1.3 * activation_bytes(1024))
+    engine = Engine(capacity, "waterwave")
+    results = run_threads(engine, {
+        "same": {"batch": batch, "steps": 5, "seed": 3},
+        "other1": {"batch": 1024, "steps": 5, "seed": 1},
+        "other2": {"batch": 1024, "steps": 5, "seed": 2},
+    })
+    assert isinstance(results["same"], list), results
+    assert results["same"] == alone
+
+
+def test_job_too_large_fails_alone_before_its_first_step_and_others_finish():
+    batch = 256
+    capacity = 3 * param_bytes() + activation_bytes(batch) + 4096
+    engine = Engine(capacity, "waterwave")
+    results = run_threads(engine, {"fits": {"batch": batch, "steps": 3}, "huge": {"batch": 4 * batch, "steps": 3}})
+    assert isinstance(results["fits"], list) and len(results["fits"]) == 3
+    err = results["huge"]
+    assert isinstance(err, JobTooLarge)
+    assert "cannot fit even alone" in str(err) and "'huge'" in str(err)
+    assert engine.job_report("huge")["iterations"] == 0
+    assert engine.run_report()["peak_memory_bytes"] <= capacity + activation_bytes(4 * batch) // 3
+
+
+def test_model_too_large_for_the_limit_fails_before_any_forward():
+    engine = Engine(param_bytes() // 2, "waterwave")
+    result = run_threads(engine, {"a": {"batch": 8, "steps": 1}})["a"]
+    assert isinstance(result, JobTooLarge)
+    assert engine._jobs["a"].retained == 0 and engine._jobs["a"].passes == 1
+
+
+def test_global_hooks_are_removed_once_models_are_found():
+    from torch.nn.modules import module as torch_module
+
+    engine = Engine(None, "waterwave")
+    seen = []
+
+    def body():
+        engine.job_started("a")
+        try:
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(torch.randn(4, 32)).sum().backward()
+                opt.step()
+                seen.append(len(torch_module._global_forward_pre_hooks))
+        finally:
+            engine.job_finished("a")
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert seen == [0, 0]
+    assert len(torch_module._global_forward_pre_hooks) == 0
+
+
+def test_trace_and_reports(tmp_path):
+    import json
+
+    engine = Engine(20 * 2**20, "waterwave", trace=True)
+    run_threads(engine, {"a": {"batch": 64, "steps": 2}, "b": {"batch": 64, "steps": 2}})
+    path = tmp_path / "trace.json"
+    engine.write_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"memory total", "memory limit", "memory a", "memory b"} <= names
+    assert any(n.startswith("fwd Sequential g") for n in names)
+    assert any(n.startswith("bwd Sequential g") for n in names)
+    assert engine.memory_of("a") is not None and engine.memory_of("zzz") is None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="matplotlib"):
+            engine.write_memory_plot(str(tmp_path / "m.png"))
+    else:
+        engine.write_memory_plot(str(tmp_path / "m.png"))
+        assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_activation_checkpointing_still_recomputes_and_backward_never_waits():
+    """A checkpointed model keeps its checkpoint (our saved-tensor hooks must not
+    shadow torch.utils.checkpoint's, which would store every activation), and its
+    forward re-run inside backward neither starts a pass nor waits."""
+    from torch.utils.checkpoint import checkpoint
+
+    engine = Engine(64 * 2**20, "waterwave")
+    recomputed, passes = [], []
+
+    def body():
+        engine.job_started("ckpt")
+        try:
+            inner = mlp()
+            inner[0].register_forward_pre_hook(lambda m, a: recomputed.append(torch.is_grad_enabled()))
+            outer = nn.Sequential(nn.Linear(32, 32))
+            opt = torch.optim.SGD([*inner.parameters(), *outer.parameters()], lr=0.1)
+            for _ in range(3):
+                h = outer(torch.randn(16, 32))
+                checkpoint(inner, h, use_reentrant=False).sum().backward()
+                opt.step()
+                passes.append(engine._jobs["ckpt"].passes)
+        finally:
+            engine.job_finished("ckpt")
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(recomputed) == 6, "inner's forward runs twice per iteration: once more in backward"
+    assert passes == [2, 4, 6], "two models per iteration, none counted again in backward"
+
+
+@pytest.mark.gpu
+def test_three_jobs_over_budget_on_cuda():
+    """The CPU budget test on CUDA tensors (the saved-tensor accounting is
+    device-independent; transients are reserved on top of the claims)."""
+    batch = 4096
+    capacity = int(3 * 3 * param_bytes() + 1.6 * activation_bytes(batch))
+    engine = Engine(capacity, "waterwave", device="cuda")
+    results = run_threads(engine, {n: {"batch": batch, "steps": 6, "device": "cuda"} for n in "abc"})
+    assert all(isinstance(r, list) and len(r) == 6 for r in results.values()), results
+    assert engine.run_report()["peak_memory_bytes"] <= capacity
+    assert sum(engine.job_report(n)["peak_memory_bytes"] for n in "abc") > capacity
+
+
+def small_cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.block = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
+        return self.head(self.block(self.embed(tokens)))
+
+
+def train_model(kind, engine, name, steps=3):
+    """A CNN (BatchNorm, in-place ReLU) or a transformer block, with the engine's job
+    calls when `engine` is given; returns the losses."""
+    if engine is not None:
+        engine.job_started(name)
+    try:
+        torch.manual_seed(0)  # only this thread builds a model while it runs
+        g = torch.Generator().manual_seed(1)
+        model = small_cnn() if kind == "cnn" else TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(steps):
+            if kind == "cnn":
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+                loss = nn.functional.cross_entropy(model(x), y)
+            else:
+                tokens = torch.randint(0, 50, (4, 12), generator=g)
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    finally:
+        if engine is not None:
+            engine.job_finished(name)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_real_layers_train_identically_under_the_engine(kind):
+    plain = train_model(kind, None, kind)
+    engine = Engine(256 * 2**20, "waterwave")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(kind, train_model(kind, engine, kind)))
+    t.start()
+    t.join(60)
+    assert result[kind] == plain
+    report = engine.job_report(kind)
+    assert report["iterations"] == 3 and len(report["nodegroups"]) > 1
+    assert sum(g["bytes"] for g in report["nodegroups"]) > 0
+
+
+def test_a_job_failing_mid_iteration_releases_its_reservation():
+    """The failing job dies holding a pass of activations (its traceback even keeps
+    them alive); job_finished hands its reservation back and the waiting job goes on."""
+    batch = 512
+    capacity = 2 * 3 * param_bytes() + activation_bytes(batch) + activation_bytes(batch) // 2
+    engine = Engine(capacity, "waterwave")
+    holding = threading.Event()
+    results = {}
+
+    def failing():
+        engine.job_started("fails")
+        try:
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model(torch.randn(batch, 32)).sum().backward()
+            opt.step()
+            model(torch.randn(batch, 32))  # holds a pass of activations...
+            holding.set()
+            time.sleep(1.0)
+            raise RuntimeError("crash before backward")  # ...and dies with them
+        except RuntimeError as err:
+            results["fails"] = err
+        finally:
+            engine.job_finished("fails")
+
+    t = threading.Thread(target=failing)
+    t.start()
+    assert holding.wait(10)
+    results.update(run_threads(engine, {"survives": {"batch": batch, "steps": 3}}))
+    t.join(10)
+    assert isinstance(results["fails"], RuntimeError)
+    assert isinstance(results["survives"], list) and len(results["survives"]) == 3
+    assert engine.job_report("survives")["wait_s"] > 0.3, "it waited for the failing job"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_nodegroups_option_sets_the_number_of_groups(groups):
+    engine = Engine(None, "waterwave", nodegroups=groups)
+    run_threads(engine, {"a": {"batch": 64, "steps": 1}})
+    sizes = [g["bytes"] for g in engine.job_report("a")["nodegroups"]]
+    assert len(sizes) == groups and sum(sizes) == activation_bytes(64)
+    with pytest.raises(ValueError):
+        Engine(None, "waterwave", nodegroups=0)
+
+
+def test_an_evaluation_only_job_does_not_hold_back_the_queue():
+    """A job that only runs forward under no_grad is never profiled; it retains
+    nothing, so a queued job starts beside it."""
+    engine = Engine(64 * 2**20, "waterwave")
+    evaluating, done = threading.Event(), threading.Event()
+
+    def evaluate():
+        engine.job_started("eval")
+        try:
+            model = mlp()
+            with torch.no_grad():
+                model(torch.randn(8, 32))
+            evaluating.set()
+            done.wait(10)
+        finally:
+            engine.job_finished("eval")
+
+    t = threading.Thread(target=evaluate)
+    t.start()
+    assert evaluating.wait(10)
+    results = run_threads(engine, {"train": {"batch": 32, "steps": 2}})
+    done.set()
+    t.join(10)
+    assert isinstance(results["train"], list)
+    assert engine.job_report("train")["queued_s"] < 5

@@ -1,0 +1,749 @@
+"""The memory-flow engine: finds each job's models, profiles them, cuts them into
+NodeGroups and gates each group's forward so that the jobs' memory flows between
+them under one budget (Waterwave, IEEE TC 72(10), 2023, "NodeGroup pipeline
+execution"; the admission rule is in wwrun/scheduler.py).
+
+How it hooks into unmodified scripts (see ../shared/facts.md, "Hooks"):
+
+1. Discovery. While a job has not finished its first optimizer step, global module
+   forward hooks track the call depth per thread; the outermost module a job's
+   thread calls is one of its models. The global hooks slow every module call in the
+   process, so they are removed as soon as no job is still discovering.
+2. Profiling. The first forward pass of a model for an input signature (shapes,
+   dtypes, grad mode) runs with a pre-hook on every submodule: each module call is a
+   node, and `saved_tensors_hooks` attribute the activation bytes saved for backward
+   to the latest node, counted once per storage (parameters excluded). The pass's
+   groups come from wwrun/nodegroups.py. A new signature (a smaller last batch)
+   is profiled again.
+3. Gating. Afterwards only the model itself and the entry module of each group are
+   hooked: the entry's pre-hook asks the scheduler for the group's growth and waits,
+   on the job's own thread. Backward is never gated (on CUDA all jobs' backward runs
+   on one autograd thread): it only hands memory back, group by group, as the saved
+   tensors die, and that wakes the waiting jobs.
+
+Memory of a job on the CPU is measured, not estimated: persistent bytes (parameters,
+buffers, gradients, optimizer state; at each optimizer step) plus the activations
+retained for backward (live saved tensors). On CUDA a `memory_probe(job)` (the
+allocator's per-job stats) reports memory instead; gating still uses the saved-tensor
+accounting, which is device-independent.
+
+Budget tolerance on the CPU (what tests/test_engine.py checks): passes of a profiled
+signature ask before they grow, so the budget holds exactly for fixed input shapes.
+Three things are measured only as they happen: a profiling pass (it checks after
+each module call, so it may overshoot by one module's activations before it waits),
+a newcomer's model (built by its script before wwrun sees it; a job is admitted only
+when one like the smallest seen so far would fit) and optimizer state beyond the
+guess made before the first step (Adam's two buffers per parameter). Gradients are
+reserved when the model is found. Transient memory (outputs not saved for backward,
+gradients in flight) is not part of the CPU budget.
+
+Limitations: models first called after a job's first optimizer step are not found;
+forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
+a model called inside someone else's saved-tensor hooks (a checkpointed model) is
+gated but its activations are not counted, so as not to defeat those hooks.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.modules import module as torch_module
+from torch.optim import optimizer as torch_optimizer
+
+from wwrun.nodegroups import Node, Plan, explain_plan, make_plan
+from wwrun.scheduler import Decision, Scheduler
+from wwrun.trace import Timeline
+
+WAIT_POLL_S = 0.5
+"""A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
+
+
+PERSISTENT_EVERY = 64
+"""Persistent bytes are measured at the first two optimizer steps, then every this many."""
+
+
+class JobTooLarge(RuntimeError):
+    """The job cannot run within the memory limit: alone, or beside the running jobs.
+
+    Raised in the job's own thread, from inside its model's forward, before the
+    iteration that would not fit runs; the launcher reports it as that job's failure.
+    """
+
+
+@dataclass(eq=False)
+class _Model:
+    module: torch.nn.Module
+    label: str  # for the report: the class name, numbered when a job has several
+    plans: dict[tuple, Plan] = field(default_factory=dict)
+    entry_hooks: dict[str, object] = field(default_factory=dict)  # module name -> handle
+    handles: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Pass:
+    model: _Model
+    signature: tuple
+    plan: Plan | None  # None while profiling
+    began: float = 0.0
+    group: int = 0
+    group_started: float = 0.0
+    nodes: list[Node] = field(default_factory=list)
+    profile_handles: list = field(default_factory=list)
+    saved_hooks: object = None
+
+
+@dataclass(eq=False)
+class _Job:
+    name: str
+    priority: int
+    index: int
+    started: float = 0.0
+    admitted: float | None = None  # left the queue
+    queued_s: float = 0.0
+    ended: float | None = None
+    models: list[_Model] = field(default_factory=list)
+    optimizers: list = field(default_factory=list)  # weak references
+    param_keys: set[int] = field(default_factory=set)
+    discovering: bool = True
+    current: _Pass | None = None
+    saved: dict[int, int] = field(default_factory=dict)  # storage -> live saved tensors
+    retained: int = 0
+    persistent: int = 0  # measured now
+    persistent_peak: int = 0  # most measured
+    persistent_reserved: int = 0  # what the scheduler holds: the peak, or a prediction
+    reserved: int = 0  # granted activation bytes of the forward in progress
+    release_marks: list[tuple[int, int, str]] = field(default_factory=list)
+    last_release: float = 0.0
+    peak: int = 0
+    wait_s: float = 0.0
+    iterations: int = 0
+    passes: int = 0
+    profiles: int = 0
+    failed: str | None = None
+    waiting_since: float = 0.0  # nonzero while a request of the job waits
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor: the tensor, plus the accounting that
+    ends when autograd drops it (after backward, or with the graph)."""
+
+    __slots__ = ("tensor", "engine", "job", "key", "nbytes")
+
+    def __init__(self, tensor, engine, job, key, nbytes):
+        self.tensor, self.engine, self.job, self.key, self.nbytes = tensor, engine, job, key, nbytes
+
+    def __del__(self):
+        self.engine._unsave(self.job, self.key, self.nbytes)
+
+
+class Engine:
+    """Waterwave for one run. The launcher creates one, and in each job's thread calls
+    `job_started(name)` before the script runs and `job_finished(name)` after it ends.
+
+    capacity_bytes  the budget (device memory or --memory-limit); None: no limit
+    policy          'waterwave' gates NodeGroups; other policies only measure
+    nodegroups      groups per model (None: automatic, see nodegroups.auto_groups)
+    queue           order of waiting jobs: 'fifo' or 'las'
+    device          'cpu' (memory measured here) or 'cuda' (memory from memory_probe)
+    trace           record spans for write_trace
+    current_job     thread -> job name (default: set by job_started in that thread)
+    memory_probe    job name -> live bytes on the device (the allocator's stats)
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None,
+        policy: str = "waterwave",
+        nodegroups: int | None = None,
+        queue: str = "fifo",
+        device: str = "cpu",
+        trace: bool = False,
+        *,
+        current_job: Callable[[], str | None] | None = None,
+        memory_probe: Callable[[str], int] | None = None,
+    ):
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if nodegroups is not None and nodegroups < 1:
+            raise ValueError(f"nodegroups must be at least 1, got {nodegroups}")
+        self.capacity = capacity_bytes
+        self.policy = policy
+        self.gating = policy == "waterwave"
+        self.nodegroups = nodegroups
+        self.device = device
+        self.scheduler = Scheduler(capacity_bytes if self.gating else None, queue=queue)
+        self._local = threading.local()
+        self._current_job = current_job or (lambda: getattr(self._local, "job", None))
+        self._probe = memory_probe
+        self._cond = threading.Condition(threading.RLock())
+        self._jobs: dict[str, _Job] = {}
+        self._total = 0
+        self.peak_total = 0
+        self.timeline = Timeline(time.perf_counter(), spans=trace)
+        self._global_handles: list = []
+        self._step_handles: list = []
+        # Release listeners hear (job, bytes still held) as backward frees memory:
+        # the allocator uses it to know who is about to free (its rule f).
+        self.release_listeners: list[Callable[[str, int], None]] = []
+
+    # ---- the launcher's contract ------------------------------------------------------
+    def job_started(self, name: str, priority: int = 0) -> None:
+        """In the job's thread, before its script runs; waits while the job does not
+        fit beside the running ones (FIFO or LAS order, then priority)."""
+        self._local.job = name
+        self._local.depth = 0
+        with self._cond:
+            if name in self._jobs:
+                raise ValueError(f"job {name!r} was already started")
+            job = _Job(name, priority, len(self._jobs), started=time.perf_counter())
+            self._jobs[name] = job
+            self.timeline.track(name)
+            self.scheduler.enqueue(name, priority)
+            waited_from = time.perf_counter()
+            while not self.scheduler.try_start(name):
+                self._cond.wait(WAIT_POLL_S)
+            self._waited(job, "queued", waited_from)
+            job.admitted = time.perf_counter()
+            job.queued_s = job.admitted - waited_from
+            self._install_global_hooks()
+
+    def job_finished(self, name: str) -> None:
+        """In the job's thread after its script ended (also on failure): every byte it
+        reserved is handed back and waiting jobs wake."""
+        with self._cond:
+            job = self._jobs.get(name)
+            if job is None or job.ended is not None:
+                return
+            job.ended = time.perf_counter()
+            if job.current is not None:
+                self._end_pass(job, failed=True)
+            for model in job.models:
+                for handle in model.handles + list(model.entry_hooks.values()):
+                    handle.remove()
+            self._set_persistent(job, 0)
+            job.discovering = False
+            self.scheduler.finish(name)
+            self._install_global_hooks()
+            self._cond.notify_all()
+        if getattr(self._local, "job", None) == name:
+            self._local.job = None
+
+    def memory_of(self, name: str) -> int | None:
+        """The job's live bytes now (for the live table); None for an unknown job."""
+        job = self._jobs.get(name)
+        if job is None:
+            return None
+        return self._live(job)
+
+    def job_report(self, name: str) -> dict:
+        job = self._jobs[name]
+        groups = []
+        for model in job.models:
+            plan = self._main_plan(model)
+            if plan is not None:
+                groups += [
+                    {"modules": [f"{model.label}.{m}" if m else model.label for m in g.modules],
+                     "bytes": g.retained_bytes}
+                    for g in plan.groups
+                ]
+        return {
+            "peak_memory_bytes": job.peak,
+            "wait_s": round(job.wait_s, 6),
+            "queued_s": round(job.queued_s, 6),
+            "iterations": job.iterations,
+            "nodegroups": groups,
+        }
+
+    def run_report(self) -> dict:
+        return {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+
+    def write_trace(self, path: str) -> None:
+        self.timeline.write_trace(path, self.capacity)
+
+    def write_memory_plot(self, path: str) -> None:
+        self.timeline.write_memory_plot(path, self.capacity)
+
+    def explain(self) -> str:
+        lines = []
+        for job in self._jobs.values():
+            if not job.models:
+                lines.append(f"[{job.name}] no model found yet")
+            for model in job.models:
+                plan = self._main_plan(model)
+                if plan is not None:
+                    lines.append(f"[{job.name}] " + explain_plan(model.label, plan, job.persistent_peak))
+        return "\n".join(lines)
+
+    # ---- discovery --------------------------------------------------------------------
+    def _job(self) -> _Job | None:
+        name = self._current_job()
+        if name is None:
+            return None
+        job = self._jobs.get(name)
+        return job if job is not None and job.ended is None else None
+
+    def _install_global_hooks(self) -> None:
+        """Global hooks only while some job is still discovering (they disable the
+        fast path of every module call in the process)."""
+        wanted = any(j.discovering and j.ended is None for j in self._jobs.values())
+        if wanted and not self._global_handles:
+            self._global_handles = [
+                torch_module.register_module_forward_pre_hook(self._global_pre),
+                torch_module.register_module_forward_hook(self._global_post, always_call=True),
+            ]
+        elif not wanted and self._global_handles:
+            for handle in self._global_handles:
+                handle.remove()
+            self._global_handles = []
+        active = any(j.ended is None for j in self._jobs.values())
+        if active and not self._step_handles:
+            self._step_handles = [
+                torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
+                torch_optimizer.register_optimizer_step_post_hook(self._after_step),
+            ]
+        elif not active and self._step_handles:
+            for handle in self._step_handles:
+                handle.remove()
+            self._step_handles = []
+
+    def _global_pre(self, module, args):
+        job = self._job()
+        if job is None or not job.discovering:
+            return
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0 and not any(m.module is module for m in job.models):
+            model = self._adopt(job, module)
+            # The model's own hooks were added during this call: its pre-hooks run
+            # from the next call on, its post-hooks already in this one.
+            self._root_pre(model, module, args, {})
+
+    def _global_post(self, module, args, output):
+        job = self._job()
+        if job is not None and job.discovering:
+            self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+
+    def _adopt(self, job: _Job, module: torch.nn.Module) -> _Model:
+        label = type(module).__name__
+        if any(m.label == label for m in job.models):
+            label = f"{label}{len(job.models)}"
+        model = _Model(module, label)
+        model.handles = [
+            module.register_forward_pre_hook(
+                lambda mod, args, kwargs: self._root_pre(model, mod, args, kwargs), with_kwargs=True
+            ),
+            module.register_forward_hook(lambda mod, args, out: self._root_post(model), always_call=True),
+        ]
+        with self._cond:
+            job.models.append(model)
+            job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
+        measured, missing_grads = self._measure_persistent(job)
+        with self._cond:  # requested (and waited for) before the model's first pass
+            job.persistent_reserved = max(job.persistent_reserved, measured + missing_grads)
+        return model
+
+    # ---- passes -----------------------------------------------------------------------
+    def _root_pre(self, model: _Model, module, args, kwargs) -> None:
+        job = self._job()
+        if job is None or job.current is not None:
+            return  # another thread, or a model nested in another
+        if not torch.is_grad_enabled():
+            # A pass that retains nothing. A job that has only run such passes (an
+            # evaluation) is sized: nothing retained, so newcomers need not wait for it.
+            state = self.scheduler.jobs.get(job.name)
+            if state is not None and state.claim is None and not state.profiling and not state.pending_profile:
+                with self._cond:
+                    self.scheduler.end_profile(job.name, 0)
+                    self._cond.notify_all()
+            return
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward re-run inside backward (checkpointing): never block there
+        if model not in job.models:
+            return
+        signature = _signature(args, kwargs)
+        plan = model.plans.get(signature)
+        now = time.perf_counter()
+        job.current = current = _Pass(model, signature, plan, began=now, group_started=now)
+        job.passes += 1
+        try:
+            if plan is None:
+                self._begin_profile(job, current)
+            elif plan.groups:
+                self._gate(job, 0, plan.groups[0].retained_bytes, pass_start=True)
+        except BaseException:
+            self._end_pass(job, failed=True)
+            raise
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # Someone else's saved-tensor hooks (activation checkpointing, offloading)
+            # decide what this pass keeps: ours on top would bypass them.
+            return
+        current.saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(job, t), _unpack
+        )
+        current.saved_hooks.__enter__()
+
+    def _root_post(self, model: _Model) -> None:
+        job = self._job()
+        if job is None or job.current is None or job.current.model is not model:
+            return
+        failed = sys.exc_info()[0] is not None  # always_call hooks run from an except
+        self._end_pass(job, failed=failed)
+
+    def _end_pass(self, job: _Job, failed: bool) -> None:
+        current, now = job.current, time.perf_counter()
+        job.current = None
+        if current.saved_hooks is not None:
+            current.saved_hooks.__exit__(None, None, None)
+        for handle in current.profile_handles:
+            handle.remove()
+        with self._cond:
+            if current.plan is None and not failed:
+                self._finish_profile(job, current)
+            elif current.plan is None:
+                self.scheduler.abort_profile(job.name)
+            self.scheduler.add_service(job.name, now - current.began)
+            plan = current.plan
+            if plan is not None and plan.groups:
+                label = f"fwd {current.model.label} g{current.group}"
+                self.timeline.span(job.name, label, current.group_started, now)
+                # Backward hands the groups back last to first; each crossing wakes waiters.
+                marks, remaining = [], job.retained
+                for i in range(len(plan.groups) - 1, -1, -1):
+                    remaining -= plan.groups[i].retained_bytes
+                    marks.append((max(remaining, 0), i, current.model.label))
+                job.release_marks = marks
+            job.last_release = now
+            job.reserved = 0
+            self._report_held(job)
+
+    def _begin_profile(self, job: _Job, current: _Pass) -> None:
+        with self._cond:
+            self._persistent_admission(job)
+            self._gate(job, 0, 0, pass_start=True, profile=True)
+        job.profiles += 1
+        model = current.model
+        current.nodes.append(Node(""))
+        for name, sub in model.module.named_modules():
+            if sub is model.module:
+                continue
+            current.profile_handles.append(sub.register_forward_pre_hook(
+                lambda mod, args, name=name: self._profile_node(job, current, name)))
+            current.profile_handles.append(sub.register_forward_hook(
+                lambda mod, args, out, name=name: self._profile_output(current, out)))
+
+    def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
+        if job.current is not current or self._job() is not job:
+            return
+        current.nodes.append(Node(name))
+        # Growth is measured, not predicted, in a profiling pass: ask for what the
+        # previous module kept (waits, or fails when it cannot fit even alone).
+        self._gate(job, 0, 0, profile=True)
+
+    def _profile_output(self, current: _Pass, output) -> None:
+        nbytes = sum(_nbytes(t) for t in _flat_tensors(output))
+        node = current.nodes[-1]
+        node.transient_bytes = max(node.transient_bytes, nbytes)
+
+    def _finish_profile(self, job: _Job, current: _Pass) -> None:
+        counts: dict[str, int] = {}
+        for node in current.nodes:
+            counts[node.module] = counts.get(node.module, 0) + 1
+        for node in current.nodes:
+            node.calls = counts[node.module]
+        plan = make_plan(current.nodes, self.nodegroups)
+        current.plan = plan
+        model = current.model
+        model.plans[current.signature] = plan
+        for index, group in enumerate(plan.groups):
+            if index > 0 and group.entry not in model.entry_hooks:
+                sub = model.module.get_submodule(group.entry)
+                model.entry_hooks[group.entry] = sub.register_forward_pre_hook(
+                    lambda mod, args, entry=group.entry: self._enter_group(model, entry))
+        claim = job.retained
+        if self.device != "cpu":
+            claim += plan.transient_bytes  # the allocator sees transients too
+        self.scheduler.end_profile(job.name, claim)
+        self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
+        current.group = len(plan.groups) - 1
+
+    def _enter_group(self, model: _Model, entry: str) -> None:
+        job = self._job()
+        if job is None or job.current is None or job.current.model is not model:
+            return
+        current = job.current
+        index = current.plan.entry_index.get(entry) if current.plan is not None else None
+        if index is None or index <= current.group:
+            return
+        now = time.perf_counter()
+        self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
+        growth = sum(g.retained_bytes for g in current.plan.groups[current.group + 1:index + 1])
+        self._gate(job, index, growth)
+        current.group, current.group_started = index, time.perf_counter()
+
+    # ---- admission ----------------------------------------------------------------------
+    def _gate(self, job: _Job, group: int, growth: int, *, pass_start=False, profile=False) -> None:
+        """Wait, on the job's thread, until the scheduler grants `growth` more bytes."""
+        if not self.gating:
+            return
+        with self._cond:
+            if pass_start and not profile:
+                job.reserved = 0
+            want = max(job.retained, job.reserved) + growth
+            started = time.perf_counter()
+            while True:
+                decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
+                if decision is Decision.GRANT:
+                    break
+                if decision is Decision.TOO_LARGE:
+                    job.failed = self._too_large_message(job, want)
+                self._wait_for_memory(job)
+            job.waiting_since = 0.0
+            job.reserved = want
+            self._waited(job, f"wait g{group}", started)
+            self._sample(job)
+
+    def _persistent_admission(self, job: _Job) -> None:
+        """A newly found model's persistent bytes, before its first profiled pass."""
+        if not self.gating:
+            return
+        while True:
+            decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
+            if decision is Decision.GRANT:
+                job.waiting_since = 0.0
+                return
+            if decision is Decision.TOO_LARGE:
+                job.failed = self._too_large_message(job, 0)
+            self._wait_for_memory(job)
+
+    def _wait_for_memory(self, job: _Job) -> None:
+        """One wait of a refused request (under the lock); raises if the job failed."""
+        if job.failed:
+            raise JobTooLarge(job.failed)
+        if not job.waiting_since:
+            # A new waiter changes what the others may do (the scheduler's preferences
+            # give way when everyone waits): let them look again.
+            job.waiting_since = time.perf_counter()
+            self._cond.notify_all()
+        victim = self.scheduler.stuck_victim()
+        if victim is not None:
+            self._jobs[victim].failed = self._no_room_message(victim)
+            self._cond.notify_all()
+            if victim == job.name:
+                raise JobTooLarge(job.failed)
+            return
+        self._cond.wait(WAIT_POLL_S)
+
+    def _too_large_message(self, job: _Job, held: int) -> str:
+        from wwrun.config import format_size
+
+        return (
+            f"job {job.name!r} needs at least {format_size(job.persistent_reserved + held)}"
+            f" ({format_size(job.persistent_reserved)} persistent + {format_size(held)} activations)"
+            f" but the memory limit is {format_size(self.capacity)}: it cannot fit even alone"
+            " (use a smaller batch or model, or raise --memory-limit)"
+        )
+
+    def _no_room_message(self, name: str) -> str:
+        from wwrun.config import format_size
+
+        others = [j for j in self._jobs.values() if j.name != name and j.ended is None]
+        held = format_size(sum(j.persistent_reserved for j in others))
+        return (
+            f"job {name!r} does not fit beside the running jobs"
+            f" ({', '.join(j.name for j in others)} hold {held}"
+            f" persistent) within {format_size(self.capacity)}; run it with fewer jobs at once"
+            " (--max-concurrent) or a larger --memory-limit"
+        )
+
+    def _waited(self, job: _Job, label: str, since: float) -> None:
+        now = time.perf_counter()
+        if now - since > 1e-4:
+            job.wait_s += now - since
+            self.timeline.span(job.name, label, since, now)
+
+    # ---- measurement --------------------------------------------------------------------
+    def _pack(self, job: _Job, tensor: torch.Tensor):
+        nbytes = _nbytes(tensor)
+        if nbytes == 0:
+            return tensor
+        key = _storage_key(tensor)
+        if key in job.param_keys:
+            return tensor
+        with self._cond:
+            count = job.saved.get(key, 0)
+            job.saved[key] = count + 1
+            if count == 0:
+                job.retained += nbytes
+                self._total += nbytes
+                current = job.current
+                if current is not None and current.nodes:
+                    current.nodes[-1].retained_bytes += nbytes
+                self._note_peaks(job)
+        return _Saved(tensor, self, job, key, nbytes)
+
+    def _unsave(self, job: _Job, key: int, nbytes: int) -> None:
+        with self._cond:
+            count = job.saved.get(key, 0) - 1
+            if count > 0:
+                job.saved[key] = count
+                return
+            job.saved.pop(key, None)
+            job.retained -= nbytes
+            self._total -= nbytes
+            crossed = False
+            while job.release_marks and job.retained <= job.release_marks[0][0]:
+                _, group, label = job.release_marks.pop(0)
+                now = time.perf_counter()
+                self.timeline.span(job.name, f"bwd {label} g{group}", job.last_release, now)
+                job.last_release, crossed = now, True
+            if crossed or job.retained == 0:
+                self._report_held(job)
+
+    def _report_held(self, job: _Job) -> None:
+        held = max(job.retained, job.reserved)
+        self.scheduler.release(job.name, held)
+        self._sample(job)
+        self._cond.notify_all()
+        for listener in self.release_listeners:
+            listener(job.name, held)
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """An optimizer's first step creates its state: reserve it first (and wait
+        for room), guessing Adam's two buffers per parameter; measured right after."""
+        job = self._job()
+        if job is None or any(ref() is optimizer for ref in job.optimizers):
+            return
+        job.optimizers.append(weakref.ref(optimizer))
+        stateless = sum(
+            p.numel() * p.element_size()
+            for group in optimizer.param_groups for p in group["params"]
+            if p.requires_grad and not optimizer.state.get(p)
+        )
+        self._measure_persistent(job)
+        with self._cond:
+            guess = 2 * stateless
+            state = self.scheduler.jobs.get(job.name)
+            if self.capacity is not None and state is not None:
+                # A guess must never make a job "too large": keep it within the room
+                # the job would have alone.
+                guess = min(guess, max(0, self.capacity - job.persistent_peak - (state.claim or 0)))
+            job.persistent_reserved = job.persistent_peak + guess
+            self._persistent_admission(job)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        job = self._job()
+        if job is None:
+            return
+        job.iterations += 1
+        # Gradients and optimizer state appear in the first steps; afterwards a
+        # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
+        if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
+            self._measure_persistent(job)
+            with self._cond:
+                job.persistent_reserved = job.persistent_peak
+                if job.name in self.scheduler.jobs:
+                    self.scheduler.set_persistent(job.name, job.persistent_reserved)
+        if job.discovering:
+            with self._cond:
+                job.discovering = False
+                self._install_global_hooks()
+
+    def _measure_persistent(self, job: _Job) -> tuple[int, int]:
+        """Parameters, buffers, gradients and optimizer state, once per storage.
+        Returns (bytes, bytes of the gradients backward has yet to create)."""
+        seen: dict[int, int] = {}
+        missing_grads = 0
+        for model in job.models:
+            for tensor in _tensors_of(model.module):
+                if _nbytes(tensor):
+                    seen[_storage_key(tensor)] = _nbytes(tensor)
+                grad = getattr(tensor, "grad", None)
+                if grad is not None and _nbytes(grad):
+                    seen[_storage_key(grad)] = _nbytes(grad)
+                elif isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                    missing_grads += tensor.numel() * tensor.element_size()
+        for ref in job.optimizers:
+            optimizer = ref()
+            for state in optimizer.state.values() if optimizer is not None else ():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and _nbytes(value):
+                        seen[_storage_key(value)] = _nbytes(value)
+        measured = sum(seen.values())
+        with self._cond:
+            self._set_persistent(job, measured)
+            job.persistent_peak = max(job.persistent_peak, measured)
+        return measured, missing_grads
+
+    def _set_persistent(self, job: _Job, nbytes: int) -> None:
+        self._total += nbytes - job.persistent
+        job.persistent = nbytes
+        self._note_peaks(job)
+        self._sample(job)
+
+    def _live(self, job: _Job) -> int:
+        if self._probe is not None:
+            return self._probe(job.name)
+        return job.persistent + job.retained
+
+    def _note_peaks(self, job: _Job) -> None:
+        live = self._live(job)
+        if live > job.peak:
+            job.peak = live
+        total = self._total if self._probe is None else sum(
+            self._live(j) for j in self._jobs.values() if j.ended is None)
+        if total > self.peak_total:
+            self.peak_total = total
+
+    def _sample(self, job: _Job) -> None:
+        self.timeline.sample(time.perf_counter(), job.name, self._live(job))
+
+    def _main_plan(self, model: _Model) -> Plan | None:
+        """The plan of the signature seen first (the steady-state batch)."""
+        return next(iter(model.plans.values()), None)
+
+
+def _unpack(saved):
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's storage; 0 for tensors without one (sparse, nested, meta)."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _tensors_of(module: torch.nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _flat_tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flat_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flat_tensors(item)
+
+
+def _signature(args, kwargs) -> tuple:
+    """What makes a profile valid: the tensor inputs' shapes and dtypes."""
+    parts = []
+    for value in (*args, *kwargs.values()):
+        for tensor in _flat_tensors(value):
+            parts.append((tuple(tensor.shape), tensor.dtype, tensor.device.type))
+    return tuple(parts)

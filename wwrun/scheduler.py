@@ -1,0 +1,288 @@
+"""Memory-aware admission of NodeGroups: the Banker's algorithm over bytes.
+
+Pure logic, no torch and no threads: the engine (wwrun/engine.py) calls it under its
+lock and does the waiting; tests drive it with simulated jobs.
+
+Model (Waterwave, IEEE TC 2023, §NodeGroup pipeline execution; the safety test is
+Dijkstra's Banker's algorithm, EWD-108):
+
+    P_j  persistent bytes of job j: parameters, gradients, optimizer state (the most
+         seen; they stay until the job ends)
+    A_j  claim: the most activation bytes j holds at once in an iteration (profiled)
+    H_j  activation bytes j holds now (granted growth, or measured, whichever is more)
+    used = sum_j (P_j + H_j) <= capacity                                (the budget)
+
+A job's forward asks, group by group, to raise H_j by the group's predicted growth.
+Backward only ever lowers H_j and never waits. A request is granted when the state
+after it is *safe*: some order exists in which every profiled job can finish its
+iteration, job k needing A_k - H_k more and handing back H_k when done (P_k stays).
+From a safe state the first job of that order can always proceed, so the jobs never
+all wait at once: no deadlock.
+
+Jobs being profiled (their first iteration, or a new input shape) have no claim yet.
+They start a pass only when no other job holds activations, and other jobs' new
+passes wait for them; running alone they come first in the safe order (they will
+hand their bytes back), else last (keeping them). These ordering preferences give
+way whenever they alone would leave every job waiting. If every job waits and no
+request is even safe (only possible when a profile or a newcomer's model reveals a
+job that does not fit beside the others), `stuck_victim` names the job to fail.
+
+Jobs are admitted (`try_start`) in queue order once the running ones are profiled
+and one more job like the smallest seen so far would fit: sum P + max A <= capacity.
+
+Waiting requests are served in queue order: requests in the middle of a pass first
+(finishing a pass frees memory sooner), then pass starts by priority and then FIFO
+(arrival) or LAS (least attained service first, as in Tiresias, NSDI'19). A lower
+ranked request may go first when a higher ranked one does not fit (backfilling),
+which is what overlaps one job's backward with another's forward.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+
+class Decision(enum.Enum):
+    GRANT = "grant"
+    WAIT = "wait"
+    TOO_LARGE = "too_large"  # the job cannot fit even alone on the device
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """A waiting request: the held (and persistent) bytes the job asks to reach."""
+
+    held: int
+    persistent: int | None
+    pass_start: bool
+    profile: bool
+
+
+@dataclass(slots=True)
+class JobState:
+    name: str
+    priority: int
+    seq: int
+    started: bool = False
+    persistent: int = 0
+    claim: int | None = None  # None until the first profile ends
+    held: int = 0
+    profiling: bool = False
+    pending_profile: bool = False
+    waiting: Want | None = None
+    attained_s: float = 0.0
+
+    @property
+    def footprint(self) -> int:
+        return self.persistent + (self.claim or 0)
+
+
+class Scheduler:
+    """Admission of jobs and of their NodeGroups under `capacity` bytes (None: no limit)."""
+
+    def __init__(self, capacity: int | None, queue: str = "fifo"):
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if queue not in ("fifo", "las"):
+            raise ValueError(f"queue must be 'fifo' or 'las', got {queue!r}")
+        self.capacity = capacity
+        self.queue = queue
+        self.jobs: dict[str, JobState] = {}
+        self._seq = itertools.count()
+        self.smallest: tuple[int, int] | None = None  # (persistent, claim) of the smallest job seen
+
+    # ---- jobs -------------------------------------------------------------------
+    def enqueue(self, name: str, priority: int = 0) -> None:
+        if name in self.jobs:
+            raise ValueError(f"job {name!r} is already known")
+        self.jobs[name] = JobState(name, priority, next(self._seq))
+
+    def try_start(self, name: str) -> bool:
+        """True when the queued job may start now; it is then active."""
+        job = self.jobs[name]
+        if job.started:
+            return True
+        queued = [j for j in self.jobs.values() if not j.started]
+        if min(queued, key=self._rank) is not job:
+            return False
+        if self._room_for_newcomer():
+            job.started = True
+            return True
+        return False
+
+    def _room_for_newcomer(self) -> bool:
+        """Whether one more job fits beside the active ones, estimating it by the
+        smallest job profiled so far (jobs of one run tend to be alike; a wrong
+        guess is caught when its model is built or profiled)."""
+        active = self.active()
+        if not active or self.capacity is None:
+            return True
+        if any(j.claim is None or j.profiling or j.pending_profile for j in active):
+            return False  # size the running jobs before adding one more
+        guess_persistent, guess_claim = self.smallest or (0, 0)
+        persistent = sum(j.persistent for j in active) + guess_persistent
+        return persistent + max(guess_claim, *(j.claim for j in active)) <= self.capacity
+
+    def finish(self, name: str) -> None:
+        """The job ended (success or failure): everything it held is free."""
+        self.jobs.pop(name, None)
+
+    def active(self) -> list[JobState]:
+        return [j for j in self.jobs.values() if j.started]
+
+    def add_service(self, name: str, seconds: float) -> None:
+        if name in self.jobs:
+            self.jobs[name].attained_s += seconds
+
+    def _rank(self, job: JobState):
+        order = job.attained_s if self.queue == "las" else 0.0
+        return (-job.priority, order, job.seq)
+
+    # ---- memory -----------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return sum(j.persistent + j.held for j in self.active())
+
+    def set_persistent(self, name: str, nbytes: int) -> None:
+        """Persistent bytes measured by the job itself (not asked for: already there)."""
+        self.jobs[name].persistent = nbytes
+
+    def abort_profile(self, name: str) -> None:
+        """The profiling pass failed: the job keeps whatever claim it had."""
+        job = self.jobs.get(name)
+        if job is not None:
+            job.profiling = job.pending_profile = False
+
+    def end_profile(self, name: str, claim: int) -> None:
+        job = self.jobs[name]
+        job.profiling = job.pending_profile = False
+        job.claim = max(job.claim or 0, claim)
+        if job.claim > 0 and (self.smallest is None or job.footprint < sum(self.smallest)):
+            self.smallest = (job.persistent, job.claim)  # a model that trains: the guess for newcomers
+
+    def fits_alone(self, name: str, held: int | None = None, persistent: int | None = None) -> bool:
+        job = self.jobs[name]
+        need = max(job.claim or 0, job.held if held is None else held)
+        own = job.persistent if persistent is None else persistent
+        return self.capacity is None or own + need <= self.capacity
+
+    def request(self, name: str, held: int, *, pass_start: bool = False, profile: bool = False) -> Decision:
+        """Ask to raise the job's held activation bytes to `held`.
+
+        `pass_start`: the first group of a forward pass; `profile`: that pass has no
+        profile yet (its growth is then requested as it is measured)."""
+        return self._decide(self.jobs[name], Want(max(held, self.jobs[name].held), None, pass_start, profile))
+
+    def request_persistent(self, name: str, nbytes: int) -> Decision:
+        """Ask to raise the job's persistent bytes to `nbytes` (a newcomer's model)."""
+        job = self.jobs[name]
+        return self._decide(job, Want(job.held, max(nbytes, job.persistent), False, False))
+
+    def _decide(self, job: JobState, want: Want) -> Decision:
+        if not self.fits_alone(job.name, want.held, want.persistent):
+            job.waiting = None
+            return Decision.TOO_LARGE
+        if self.capacity is None or self._grantable(job, want):
+            job.held = want.held
+            if want.persistent is not None:
+                job.persistent = want.persistent
+            if job.claim is not None and not job.profiling and job.held > job.claim:
+                job.claim = job.held  # a prediction fell short: the claim grows
+            if want.pass_start and want.profile:
+                job.profiling = True
+            job.pending_profile = False
+            job.waiting = None
+            return Decision.GRANT
+        job.waiting = want
+        job.pending_profile = want.pass_start and want.profile
+        return Decision.WAIT
+
+    def release(self, name: str, held: int) -> None:
+        """The job's held activation bytes are now `held` (backward freed memory)."""
+        job = self.jobs.get(name)
+        if job is not None:
+            job.held = held
+
+    def _grantable(self, job: JobState, want: Want) -> bool:
+        if not self._safe(job, want):
+            return False
+        if self._preferred(job, want):
+            return True
+        # The preferences give way when they would leave everyone waiting: then the
+        # best ranked safe request goes (one always exists unless stuck_victim says so).
+        others = [j for j in self.active() if j is not job]
+        if any(j.waiting is None for j in others):
+            return False  # someone can still move
+        if any(self._preferred(j, j.waiting) and self._safe(j, j.waiting) for j in others):
+            return False
+        rivals = [j for j in others if self._safe(j, j.waiting)]
+        return all(self._rank(job) < self._rank(j) for j in rivals)
+
+    def _preferred(self, job: JobState, want: Want) -> bool:
+        """The ordering preferences; requests in the middle of a pass always pass."""
+        if not want.pass_start:
+            return True
+        others = [j for j in self.active() if j is not job]
+        if want.profile and any(j.held > 0 or j.profiling for j in others):
+            return False  # profile alone: let the others' passes drain first
+        if not want.profile and any(j.profiling or j.pending_profile for j in others):
+            return False  # a profile goes first
+        return self._first_in_line(job, want.profile)
+
+    def _first_in_line(self, job: JobState, profile: bool) -> bool:
+        """No higher ranked waiting request that could go now instead. A profile is
+        behind other profiles only (the other pass starts wait for it)."""
+        for other in self.active():
+            if other is job or other.waiting is None:
+                continue
+            if profile:
+                ahead = other.pending_profile and self._rank(other) < self._rank(job)
+            else:
+                ahead = not other.waiting.pass_start or self._rank(other) < self._rank(job)
+            if ahead and self._safe(other, other.waiting):
+                return False
+        return True
+
+    def _safe(self, job: JobState, want: Want) -> bool:
+        """Would the state with `want` granted be within capacity and safe?"""
+        active = self.active()
+        holding = {j.name: j.held for j in active}
+        holding[job.name] = want.held
+        persistent = sum(j.persistent for j in active)
+        if want.persistent is not None:
+            persistent += want.persistent - job.persistent
+        free = self.capacity - persistent - sum(holding.values())
+        if free < 0:
+            return False
+        # Profiled jobs must all be able to finish, in some order. A job being
+        # profiled has no claim: when it runs alone (the others hold nothing) it
+        # goes first and hands its bytes back; otherwise it comes last, keeping them.
+        pending = [j for j in active if j.claim is not None and not j.profiling]
+        if all(holding[j.name] == 0 for j in pending):
+            free += sum(holding[j.name] for j in active if j not in pending)
+        while pending:
+            runnable = next(
+                (j for j in pending if max(j.claim, holding[j.name]) - holding[j.name] <= free), None
+            )
+            if runnable is None:
+                return False
+            free += holding[runnable.name]
+            pending.remove(runnable)
+        return True
+
+    # ---- deadlock resolution -------------------------------------------------------
+    def stuck_victim(self) -> str | None:
+        """When every active job waits and none can be granted, the job to fail: the
+        newest one being profiled (its size was unknown when it started)."""
+        active = self.active()
+        if not active or any(j.waiting is None for j in active):
+            return None
+        if any(self._safe(j, j.waiting) for j in active):
+            return None  # someone can go: with everyone waiting, safety is the only rule
+        profiling = [j for j in active if j.profiling or j.pending_profile or j.claim is None]
+        victim = max(profiling or active, key=lambda j: j.seq)
+        victim.waiting = None
+        victim.pending_profile = False
+        return victim.name
