@@ -244,3 +244,55 @@ def test_on_cuda_each_job_sees_its_own_memory_figures(tmp_path):
         allocated = int(line.split("allocated=")[1].split()[0])
         assert mib * 2**20 <= allocated < (mib + 16) * 2**20  # its own, not the sum
         assert job.extra["peak_memory_bytes"] >= mib * 2**20
+
+
+def _mlp(name, width, batch, steps=20):
+    args = ["--width", str(width), "--batch", str(batch), "--steps", str(steps)]
+    return JobSpec(name=name, script=str(SCRIPTS / "train_mlp.py"), args=args)
+
+
+def test_waterwave_keeps_jobs_whose_peaks_exceed_the_budget_under_it(tmp_path):
+    # Each job retains ~4 x batch x width x 4 bytes x 2 (linear + relu) for backward.
+    jobs = [_mlp("a", 256, 512), _mlp("b", 256, 512), _mlp("c", 256, 512)]
+    alone = run(tmp_path / "alone", _mlp("solo", 256, 512), policy="waterwave")
+    solo_peak = alone.jobs[0].extra["peak_memory_bytes"]
+    limit = int(solo_peak * 2.2)  # the three together (~3x) do not fit
+    result = run(tmp_path, *jobs, memory_limit=limit, trace=str(tmp_path / "trace.json"))
+    assert result.exit_code == 0
+    assert result.policy == "waterwave"
+    assert result.extra["memory_limit_bytes"] == limit
+    assert result.extra["peak_memory_bytes"] <= limit
+    assert sum(job.extra["peak_memory_bytes"] for job in result.jobs) > limit
+    assert any(job.extra["wait_s"] > 0 for job in result.jobs)  # someone had to wait
+    for job in result.jobs:
+        assert job.extra["iterations"] == 20
+        assert job.extra["nodegroups"] and all("modules" in g and "bytes" in g for g in job.extra["nodegroups"])
+    # Numerics are unchanged by the interleaving.
+    solo_loss = (Path(alone.jobs[0].log_dir) / "stdout.log").read_text()
+    for job in result.jobs:
+        assert (Path(job.log_dir) / "stdout.log").read_text() == solo_loss
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert {"a", "b", "c"} <= {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+
+
+def test_a_job_too_large_for_the_budget_fails_alone(tmp_path):
+    result = run(tmp_path, _mlp("huge", 512, 4096, steps=2), _mlp("small", 64, 32, steps=5), memory_limit=2 * 2**20)
+    huge, small = result.jobs
+    assert huge.state == JobState.FAILED and "JobTooLarge" in huge.error
+    assert small.state == JobState.SUCCEEDED
+    assert result.root_cause == "huge"
+
+
+def test_explain_prints_each_job_s_nodegroups(tmp_path, capsys):
+    run(tmp_path, _mlp("a", 64, 32, steps=3), _mlp("b", 64, 32, steps=3), explain=True)
+    err = capsys.readouterr().err
+    assert "[a] Sequential:" in err and "[b] Sequential:" in err and "group 0:" in err
+
+
+def test_a_memory_limit_alone_selects_waterwave():
+    from wwrun import LaunchConfig
+
+    one = [JobSpec(name="x", script=ENDING)]
+    assert LaunchConfig(jobs=one).resolved_policy == "concurrent"
+    assert LaunchConfig(jobs=one, memory_limit="1GiB").resolved_policy == "waterwave"

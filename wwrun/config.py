@@ -242,9 +242,10 @@ class LaunchConfig:
 
     @property
     def resolved_policy(self) -> str:
+        """waterwave for several jobs or under a memory limit, else concurrent."""
         if self.policy is not None:
             return self.policy
-        return "waterwave" if len(self.jobs) > 1 else "concurrent"
+        return "waterwave" if len(self.jobs) > 1 or self.memory_limit is not None else "concurrent"
 
     def replace(self, **changes) -> LaunchConfig:
         return dataclasses.replace(self, **changes)

@@ -62,8 +62,13 @@ class QuietDisplay:
     def state(self, result) -> None:
         pass
 
-    def note(self, text: str) -> None:
-        self.err.print(f"[wwrun] {text}", markup=False)
+    def note(self, text: str, important: bool = True) -> None:
+        """A line from the launcher; only `important` ones with --quiet."""
+        if important:
+            self.err.print(f"[wwrun] {text}", markup=False)
+
+    def explain(self, text: str) -> None:
+        self.err.print(text, markup=False)
 
     def stop(self, result) -> None:
         self.err.print(summary_table(result))
@@ -77,6 +82,9 @@ class PlainDisplay(QuietDisplay):
         super().__init__(err)
         self.out = out
         self._lock = threading.Lock()
+
+    def note(self, text: str, important: bool = True) -> None:
+        self.err.print(f"[wwrun] {text}", markup=False)
 
     def line(self, job: str, stream: str, text: str) -> None:
         console = self.out if stream == "stdout" else self.err
@@ -116,7 +124,7 @@ class LiveDisplay(QuietDisplay):
     def state(self, result) -> None:
         pass
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, important: bool = True) -> None:
         target = self._live.console if self._live else self.err
         target.print(f"[wwrun] {text}", markup=False)
 
@@ -152,7 +160,7 @@ def summary_table(result) -> Table:
     table.add_column("exit", justify="right")
     table.add_column("time", justify="right")
     for key in _extra_columns(result):
-        table.add_column(key.replace("_", " "), justify="right")
+        table.add_column(_EXTRA_COLUMNS[key], justify="right")
     table.add_column("error", overflow="fold")
     for job in result.jobs:
         extras = [_cell(job.extra.get(key)) for key in _extra_columns(result)]
@@ -174,9 +182,11 @@ def summary_footer(result) -> str:
     return escape(line)
 
 
+_EXTRA_COLUMNS = {"peak_memory_bytes": "peak memory", "wait_s": "waited (s)"}
+
+
 def _extra_columns(result) -> list[str]:
-    shown = ("peak_memory_bytes", "wait_s")
-    return [key for key in shown if any(key in job.extra for job in result.jobs)]
+    return [key for key in _EXTRA_COLUMNS if any(key in job.extra for job in result.jobs)]
 
 
 def _cell(value) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wwrun import isolation
-from wwrun.config import ConfigError, JobSpec, LaunchConfig
+from wwrun.config import ConfigError, JobSpec, LaunchConfig, resolve_size
 from wwrun.output import JobOutput, Pump
 
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -202,6 +202,9 @@ class _Runner:
         self._children_before: set[int] = set()
         self.started = time.time()
         self.allocator = self._install_allocator()
+        self.capacity = self._capacity()
+        self.engine = self._make_engine()
+        self._expected_releases: dict[str, int] = {}
 
     # -- the run ------------------------------------------------------------------
 
@@ -229,10 +232,27 @@ class _Runner:
             pump.close()
             self._events.close()
         result = self._result()
+        self._write_outputs()
         self.display.stop(result)
+        if self.config.explain:
+            self.display.explain(self.engine.explain() if self.engine else "no NodeGroups: the policy is not waterwave")
         if self.config.report:
             Path(self.config.report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         return result
+
+    def _write_outputs(self) -> None:
+        if self.engine is None:
+            for option in ("trace", "memory_plot"):
+                if getattr(self.config, option):
+                    self.display.note(f"--{option.replace('_', '-')} needs the waterwave policy; nothing written")
+            return
+        if self.config.trace:
+            self.engine.write_trace(self.config.trace)
+        if self.config.memory_plot:
+            try:
+                self.engine.write_memory_plot(self.config.memory_plot)
+            except (ImportError, RuntimeError) as err:
+                self.display.note(f"no memory plot: {err}")
 
     def _schedule(self, pump: Pump) -> None:
         limit = self.concurrency
@@ -297,11 +317,15 @@ class _Runner:
         try:
             isolation.enter(ctx)
             self._prepare_device(job)
+            if self.engine is not None:  # may wait until the job fits beside the others
+                self.engine.job_started(job.spec.name, job.spec.priority)
             _run_code(job.spec, ctx)
         except BaseException as exc:  # noqa: BLE001 - every way a script can end
             code, error = _outcome(exc, ctx)
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
+        if self.engine is not None:  # hands back every byte it reserved, wakes the others
+            self.engine.job_finished(job.spec.name)
         try:
             isolation.run_atexit_handlers(ctx)
             _join_job_threads(ctx)
@@ -336,6 +360,55 @@ class _Runner:
             return "native"
         return "waterwave"
 
+    def _capacity(self) -> int | None:
+        """Bytes the run may use: --memory-limit (a fraction of the device's memory, or
+        bytes); on CUDA the whole device without one, on the CPU no budget."""
+        if self.device == "cuda":
+            import torch
+
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            return resolve_size(self.config.memory_limit, total) or total
+        if self.config.memory_limit is None:
+            return None
+        import psutil
+
+        return resolve_size(self.config.memory_limit, psutil.virtual_memory().total)
+
+    def _make_engine(self):
+        """The NodeGroup scheduler (wwrun.engine) under the waterwave policy; the
+        baselines (concurrent, sequential) run plain."""
+        if self.policy != "waterwave":
+            return None
+        from wwrun.engine import Engine
+
+        probe = None
+        if self.allocator == "waterwave":
+            probe = lambda name: (self._allocator_figures(name) or {}).get("current", 0)  # noqa: E731
+        engine = Engine(
+            self.capacity,
+            policy=self.policy,
+            nodegroups=self.config.nodegroups,
+            queue=self.config.queue,
+            device=self.device,
+            trace=bool(self.config.trace or self.config.memory_plot),
+            current_job=lambda: getattr(isolation.current_job(), "name", None),
+            memory_probe=probe,
+        )
+        if self.allocator == "waterwave":
+            engine.release_listeners.append(self._expect_releases)
+        return engine
+
+    def _expect_releases(self, job: str, held: int) -> None:
+        """Backward progress, from the engine: jobs still holding activations are
+        about to free memory; the allocator's rule f waits for them before failing."""
+        from wwrun import allocator
+
+        if held > 0:
+            self._expected_releases[job] = held
+        else:
+            self._expected_releases.pop(job, None)
+        allocator.set_expected_releases(dict(self._expected_releases))
+
     def _prepare_device(self, job: _Job) -> None:
         if self.device != "cuda":
             return
@@ -346,7 +419,6 @@ class _Runner:
         stream = torch.cuda.Stream()
         if self.allocator == "waterwave":
             from wwrun import allocator
-            from wwrun.config import resolve_size
 
             capacity = torch.cuda.get_device_properties(stream.device).total_memory
             allocator.register_stream(stream, job.spec.name, resolve_size(job.spec.memory_limit, capacity))
@@ -386,6 +458,8 @@ class _Runner:
             figures = self._allocator_figures(result.name)
             if figures:
                 result.extra["peak_memory_bytes"] = figures["peak"]
+            if self.engine is not None and result.started is not None:
+                result.extra.update(self.engine.job_report(result.name))
         failures = [r for r in results if r.exit_code not in (0, None)]
         failures.sort(key=lambda r: r.ended or float("inf"))
         cancelled = any(r.state == JobState.CANCELLED for r in results)
@@ -395,8 +469,16 @@ class _Runner:
             run_id=self.config.run_id, device=self.device, policy=self.policy, jobs=results,
             started=self.started, ended=time.time(), log_dir=str(self.run_dir),
             exit_code=exit_code, root_cause=root.name if root else None,
-            extra={"allocator": self.allocator} if self.allocator else {},
+            extra=self._run_extra(),
         )
+
+    def _run_extra(self) -> dict:
+        extra = {"memory_limit_bytes": self.capacity}
+        if self.allocator:
+            extra["allocator"] = self.allocator
+        if self.engine is not None:
+            extra.update(self.engine.run_report())
+        return extra
 
     @property
     def concurrency(self) -> int:
@@ -426,12 +508,15 @@ class _Runner:
         torch.set_num_threads(share)
         self.display.note(
             f"{self.concurrency} jobs share {os.cpu_count()} CPUs: torch uses {share} thread(s) per op "
-            "(set OMP_NUM_THREADS to choose)"
+            "(set OMP_NUM_THREADS to choose)",
+            important=False,
         )
         return lambda: torch.set_num_threads(before)
 
     def memory_of(self, name: str) -> int | None:
         """A job's current memory, for the live table; None while unknown."""
+        if self.engine is not None:
+            return self.engine.memory_of(name)
         figures = self._allocator_figures(name)
         return figures["current"] if figures else None
 

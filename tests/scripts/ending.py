@@ -8,7 +8,7 @@ import time
 how = sys.argv[1]
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
 atexit.register(print, "atexit ran")
-signal.signal(signal.SIGTERM, lambda *_: None)  # would raise ValueError in a plain thread
+signal.signal(signal.SIGUSR1, lambda *_: None)  # would raise ValueError in a plain thread
 print("before", how, flush=True)
 if how == "exit3":
     sys.exit(3)
