@@ -18,8 +18,9 @@ GPU idle); the sequential baseline is also timed with all cores.
     need 1.5x the budget: on the CPU nothing stops them, so their time is shown
     with the budget they would have exceeded.
 (c) no oversubscription: 3 jobs under waterwave against 3 separate processes.
-(d) the cost of one gate (an admission decision on the job's thread, µs) and a
-    single job's overhead under waterwave against the same loop without wwrun.
+(d) the cost of one gate (an admission decision on the job's thread, µs), the
+    engine's fixed cost per iteration (µs, on a tiny model), and a single job's
+    overhead under waterwave against the same loop without wwrun.
 
 Prints the figures, then LAST one JSON object on one line; full runs also save it
 to benchmarks/results/waterwave-<device>.json. On a GPU the same experiments are one
@@ -166,10 +167,6 @@ def processes(jobs: list[dict]) -> float:
     return elapsed
 
 
-def median_time(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -226,10 +223,23 @@ def main() -> None:
         finally:
             torch.set_num_threads(1)
 
-    ww = median_time(waterwave_run, repeats)
-    seq = median_time(sequential_run, repeats)
-    seq_all = median_time(lambda: sequential_run(os.cpu_count() or 1), repeats)
-    side = median_time(lambda: processes(jobs), repeats)
+    def waterwave_roomy():  # (c): no oversubscription, everything fits at once
+        engine = Engine(4 * peak, "waterwave")
+        wall, errors = run_threads(engine, jobs)
+        assert all(e is None for e in errors.values()), errors
+        return wall
+
+    # Interleaved repeats, so that the load of a shared machine drifts over all alike.
+    modes = {
+        "ww": waterwave_run, "seq": sequential_run,
+        "seq_all": lambda: sequential_run(os.cpu_count() or 1),
+        "side": lambda: processes(jobs), "roomy": waterwave_roomy,
+    }
+    times = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode, run in modes.items():
+            times[mode].append(run())
+    ww, seq, seq_all, side, roomy = (statistics.median(times[m]) for m in modes)
     result["b_summed_peaks_over_budget"] = round(3 * peak / capacity_b, 3)
     result["b_speedup_vs_sequential"] = round(seq / ww, 3)
     result["b_speedup_vs_sequential_all_cores"] = round(seq_all / ww, 3)
@@ -240,14 +250,6 @@ def main() -> None:
           f"({seq_all / ww:.2f}x); processes side by side {side:.2f}s but need "
           f"{3 * peak / capacity_b:.2f}x the budget")
 
-    # (c) no oversubscription: everything fits at once.
-    def waterwave_roomy():
-        engine = Engine(4 * peak, "waterwave")
-        wall, errors = run_threads(engine, jobs)
-        assert all(e is None for e in errors.values()), errors
-        return wall
-
-    roomy = median_time(waterwave_roomy, repeats)
     result["c_speedup_vs_processes"] = round(side / roomy, 3)
     print(f"(c) no oversubscription: waterwave {roomy:.2f}s, processes {side:.2f}s ({side / roomy:.2f}x)")
 
@@ -267,6 +269,17 @@ def main() -> None:
         print(f"(d) a single job under waterwave, {min(plain_s) / (steps * 2) * 1e3:.1f} ms per "
               f"iteration: {overhead * 100:+.2f}% (median {statistics.median(engine_s) / statistics.median(plain_s) * 100 - 100:+.2f}%)")
     print(f"(d) one gate: {result['d_gate_us']} µs")
+    # The engine's fixed cost per iteration, on a model so small that its compute
+    # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
+    tiny = [dict(width=16, batch=4, steps=2000, seed=0)]
+    costs = {}
+    for policy in (None, "concurrent", "waterwave"):
+        runs = [run_threads(Engine(1 << 34, policy) if policy else None, tiny)[0] for _ in range(3)]
+        costs[policy] = min(runs) / 2000 * 1e6
+    result["d_measuring_us_per_iteration"] = round(costs["concurrent"] - costs[None], 1)
+    result["d_gating_us_per_iteration"] = round(costs["waterwave"] - costs["concurrent"], 1)
+    print(f"(d) fixed cost per iteration: {costs['concurrent'] - costs[None]:.0f} µs measuring memory"
+          f" (saved-tensor hooks), {costs['waterwave'] - costs['concurrent']:.0f} µs gating 4 NodeGroups")
     if not args.quick:
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
