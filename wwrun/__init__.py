@@ -11,14 +11,17 @@ DNN Training", IEEE Transactions on Computers 72(10), 2023).
 __version__ = "0.1.0"
 
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, parse_size  # noqa: E402
+from wwrun.engine import Engine, JobTooLarge  # noqa: E402
 from wwrun.launcher import JobResult, JobState, RunResult, launch  # noqa: E402
 from wwrun.recipe import dump_recipe, load_recipe  # noqa: E402
 
 __all__ = [
     "ConfigError",
+    "Engine",
     "JobResult",
     "JobSpec",
     "JobState",
+    "JobTooLarge",
     "LaunchConfig",
     "RunResult",
     "__version__",
