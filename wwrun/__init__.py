@@ -11,7 +11,6 @@ DNN Training", IEEE Transactions on Computers 72(10), 2023).
 __version__ = "0.1.0"
 
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, parse_size  # noqa: E402
-from wwrun.engine import Engine, JobTooLarge  # noqa: E402
 from wwrun.launcher import JobResult, JobState, RunResult, launch  # noqa: E402
 from wwrun.recipe import dump_recipe, load_recipe  # noqa: E402
 
@@ -30,3 +29,12 @@ __all__ = [
     "load_recipe",
     "parse_size",
 ]
+
+
+def __getattr__(name):
+    # The engine imports torch: load it only when asked, so `wwrun --help` stays instant.
+    if name in ("Engine", "JobTooLarge"):
+        from wwrun import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'wwrun' has no attribute {name!r}")
