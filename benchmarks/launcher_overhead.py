@@ -7,7 +7,10 @@
     threads of one process cost or gain against processes in sequence).
 
 Medians of --repeats runs (at least 5), runs of the variants interleaved so drifts in
-machine load hit them alike. The last line is one JSON object.
+machine load hit them alike. Every process and job uses --threads intra-op threads
+(OMP_NUM_THREADS, default 1): with OpenMP's spin-waiting, two processes each asking
+for every core turn a 0.3 s loop into 9-20 s on 2 busy cores, which would measure the
+machine, not the launcher. The last line is one JSON object.
 
     python benchmarks/launcher_overhead.py [--repeats 5] [--script recipes/examples/mlp.py] [-- script args]
 """
@@ -27,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def timed(argv: list[str]) -> float:
+def timed(argv: list[str], env: dict) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
@@ -37,8 +40,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process and job")
     parser.add_argument("--script", default=str(ROOT / "recipes" / "examples" / "mlp.py"))
-    parser.add_argument("script_args", nargs="*", default=["--steps", "600"])
+    parser.add_argument("script_args", nargs="*", default=["--steps", "3000"])
     args = parser.parse_args()
     if args.repeats < 5:
         parser.error("--repeats must be at least 5 (medians of at least 5 runs)")
@@ -49,15 +53,16 @@ def main() -> None:
     many = []
     for i in range(args.jobs):
         many += ([":"] if i else []) + [args.script, *args.script_args]
-    env_note = f"{os.cpu_count()} cpus"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env_note = f"{os.cpu_count()} cpus, {args.threads} thread(s) per job"
 
     times: dict[str, list[float]] = {k: [] for k in ("python", "wwrun", "sequential", "concurrent")}
-    timed(python)  # warm the file cache
+    timed(python, env)  # warm the file cache
     for _ in range(args.repeats):
-        times["python"].append(timed(python))
-        times["wwrun"].append(timed([*wwrun, args.script, *args.script_args]))
-        times["sequential"].append(sum(timed(python) for _ in range(args.jobs)))
-        times["concurrent"].append(timed([*wwrun, "--policy", "concurrent", *many]))
+        times["python"].append(timed(python, env))
+        times["wwrun"].append(timed([*wwrun, args.script, *args.script_args], env))
+        times["sequential"].append(sum(timed(python, env) for _ in range(args.jobs)))
+        times["concurrent"].append(timed([*wwrun, "--policy", "concurrent", *many], env))
 
     med = {k: statistics.median(v) for k, v in times.items()}
     overhead = med["wwrun"] / med["python"] - 1
@@ -73,6 +78,8 @@ def main() -> None:
         "benchmark": "launcher_overhead",
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "threads_per_job": args.threads,
+        "command": " ".join(sys.argv),
         "script": Path(args.script).name,
         "script_args": args.script_args,
         "repeats": args.repeats,
