@@ -94,6 +94,19 @@ def test_a_missing_script_fails_like_python_does(tmp_path):
     assert "can't open file" in (Path(gone.log_dir) / "stderr.log").read_text()
 
 
+def test_events_reader_going_away_does_not_stop_the_jobs(tmp_path):
+    # `wwrun --events - ... | head -1`: the pipe closes after the first line.
+    shell = (
+        f"{sys.executable} -m wwrun --events - --report {tmp_path}/r.json --log-dir {tmp_path} "
+        f"{ENDING} ok 1 : {ENDING} ok 1 | head -1"
+    )
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60)
+    assert json.loads(done.stdout)["state"] == "pending"
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [job["state"] for job in report["jobs"]] == ["succeeded", "succeeded"]
+    assert "Traceback" not in done.stderr
+
+
 def test_earliest_failure_is_the_root_cause(tmp_path):
     result = run(tmp_path, ending("late", "exit3", 1.5), ending("early", "raise", 0.1), ending("fine"))
     assert result.root_cause == "early"

@@ -699,8 +699,12 @@ class _EventLog:
             "exit_code": job.result.exit_code,
         }
         with self._lock:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except (BrokenPipeError, ValueError):
+                # The reader went away (`--events - | head`): the jobs go on without it.
+                self._file = None
 
     def close(self) -> None:
         if self._file is not None and self._file is not isolation.original_stdout():
