@@ -107,6 +107,19 @@ def test_events_reader_going_away_does_not_stop_the_jobs(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_terminal_reader_going_away_does_not_block_the_jobs(tmp_path):
+    # `wwrun chatty.py | head -1`: job lines can no longer be shown, but the job must
+    # not block on its full pipe, and its log keeps everything.
+    chatty = SCRIPTS / "chatty.py"
+    shell = f"{sys.executable} -m wwrun --report {tmp_path}/r.json --log-dir {tmp_path} {chatty} | head -1"
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("[chatty] line 00000")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["jobs"][0]["state"] == "succeeded"
+    log = (Path(report["run"]["log_dir"]) / "chatty" / "stdout.log").read_text()
+    assert log.count("\n") == 20001 and log.endswith("chatty done\n")
+
+
 def test_earliest_failure_is_the_root_cause(tmp_path):
     result = run(tmp_path, ending("late", "exit3", 1.5), ending("early", "raise", 0.1), ending("fine"))
     assert result.root_cause == "early"

@@ -34,9 +34,16 @@ _STYLE = {
 }
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # The reader went away (`wwrun ... | head`): rich would raise SystemExit; the
+        # jobs go on, their logs keep everything, and this console falls silent.
+        self.quiet = True
+
+
 def make_display(config: LaunchConfig):
-    out = Console(file=isolation.original_stdout(), highlight=False, soft_wrap=True)
-    err = Console(file=isolation.original_stderr(), highlight=False, soft_wrap=True)
+    out = _Console(file=isolation.original_stdout(), highlight=False, soft_wrap=True)
+    err = _Console(file=isolation.original_stderr(), highlight=False, soft_wrap=True)
     if config.events == "-":
         out = err
     if config.quiet:

@@ -96,7 +96,7 @@ class Pump:
     """One thread draining every job's pipes (a selector over the read ends)."""
 
     def __init__(self, on_line: LineSink):
-        self._on_line = on_line
+        self._display = on_line
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._open = 0
@@ -135,6 +135,17 @@ class Pump:
                     os.close(key.fd)
                     self._open -= 1
                 output._finish(stream, self._on_line)
+
+    def _on_line(self, job: str, stream: str, line: str) -> None:
+        """Hand a line to the display. If the display fails (its reader went away:
+        `wwrun ... | head`), stop showing lines but keep draining: a pump that died
+        would leave the jobs blocked on full pipes. The logs keep everything."""
+        if self._display is None:
+            return
+        try:
+            self._display(job, stream, line)
+        except (OSError, ValueError):
+            self._display = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait until every pipe reached end of file (all writers closed), then stop.
