@@ -31,6 +31,12 @@ def test_mpmd_jobs_split_on_colons():
     assert config(A, "--quiet").jobs[0].args == ["--quiet"] and config(A, "--quiet").quiet is False
 
 
+def test_names_derived_from_odd_file_names_are_valid(tmp_path):
+    script = tmp_path / "train (copy).py"
+    script.write_text("print('hi')\n")
+    assert config(str(script)).jobs[0].name == "train__copy_"
+
+
 def test_module_jobs():
     cfg = config("-m", "pkg.train", "--x", "1", ":", "-m", "other", ":", A)
     assert [(j.module, j.script, j.args) for j in cfg.jobs] == [

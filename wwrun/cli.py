@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from wwrun import __version__
 from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size
 
 _SEPARATOR = ":"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]")  # job names name log folders
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,6 +137,8 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
 
 
 def _unique(base: str, used: set[str]) -> str:
+    """A valid job name from a script's stem or a module: unsafe characters become '_'."""
+    base = _UNSAFE.sub("_", base).lstrip("._=+,-") or "job"
     name, n = base, 1
     while name in used:
         n += 1
