@@ -237,9 +237,10 @@ def main() -> None:
     cores = os.cpu_count()
     command = "python benchmarks/waterwave.py" + (f" --device {DEVICE}" if DEVICE != "cpu" else "") + (" --quick" if args.quick else "")
     result: dict = {"device": DEVICE, "device_name": device_name(), "cpu_cores": cores, "threads_per_job": 1,
-                    "torch": torch.__version__, "command": command, "quick": args.quick}
+                    "torch": torch.__version__, "command": command, "quick": args.quick,
+                    "load_average_at_start": round(os.getloadavg()[0], 2)}  # others' work on shared cores
     print(f"{DEVICE} ({result['device_name']}), {cores} CPU cores, one intra-op thread per job "
-          f"(OMP_NUM_THREADS=1), torch {torch.__version__}")
+          f"(OMP_NUM_THREADS=1), torch {torch.__version__}, load average {result['load_average_at_start']}")
 
     # (a) largest batch, solo and shared: engine-level (threads between job_started and
     # job_finished, as the launcher calls them), as a bisection needs many short runs.
@@ -308,10 +309,14 @@ def main() -> None:
     for label, batch_d, steps_d in (("small", 512, steps * 2), ("large", 4096, steps)):
         single = [job_args(256, batch_d, steps_d, 0)]
         loops = {"python": [], "wwrun": [], "wwrun_waterwave": []}
+        outside = []  # the launch's wall time beyond the timed loop
         for _ in range(repeats):  # interleaved, so drift hits all alike
             loops["python"].append(processes(single))
-            loops["wwrun"].append(launched(single, "concurrent")[0])
+            loop, run = launched(single, "concurrent")
+            loops["wwrun"].append(loop)
+            outside.append(run.wall_s - loop)
             loops["wwrun_waterwave"].append(launched(single, "waterwave")[0])
+        result[f"d_launch_outside_loop_s_{label}"] = round(statistics.median(outside), 3)
         # The least of the runs: on a shared machine the noise only ever adds time.
         best = {k: min(v) for k, v in loops.items()}
         result[f"d_iteration_ms_{label}"] = round(best["python"] / steps_d * 1e3, 2)
@@ -322,6 +327,9 @@ def main() -> None:
               f"wwrun --policy waterwave {(best['wwrun_waterwave'] / best['python'] - 1) * 100:+.2f}% "
               f"(medians {statistics.median(loops['wwrun']) / statistics.median(loops['python']) * 100 - 100:+.2f}%, "
               f"{statistics.median(loops['wwrun_waterwave']) / statistics.median(loops['python']) * 100 - 100:+.2f}%)")
+    print(f"(d) a one-job launch's wall time beyond the timed loop (thread, script set-up, "
+          f"2 warm-up steps, teardown): {result['d_launch_outside_loop_s_small']:.2f}s, "
+          f"{result['d_launch_outside_loop_s_large']:.2f}s")
     print(f"(d) one gate: {result['d_gate_us']} µs")
     # The engine's fixed cost per iteration, on a model so small that its compute
     # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
