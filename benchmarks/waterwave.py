@@ -1,6 +1,6 @@
 """Waterwave's experiments, reproduced on one machine (IEEE TC 72(10), 2023, §Evaluation).
 
-    PYTHONPATH=. python benchmarks/waterwave.py               # CPU, --memory-limit budgets (~5 min)
+    PYTHONPATH=. python benchmarks/waterwave.py               # CPU, --memory-limit budgets (~3 min on 2 cores)
     PYTHONPATH=. python benchmarks/waterwave.py --quick       # fewer steps and repeats
     PYTHONPATH=. python benchmarks/waterwave.py --device cuda # the same on a GPU
 
