@@ -1,32 +1,44 @@
 """Waterwave's experiments, reproduced on one machine (IEEE TC 72(10), 2023, §Evaluation).
 
-    PYTHONPATH=. python benchmarks/waterwave.py            # CPU, --memory-limit style budget
-    PYTHONPATH=. python benchmarks/waterwave.py --quick    # fewer steps and repeats
+    PYTHONPATH=. python benchmarks/waterwave.py               # CPU, --memory-limit budgets (~3 min on 2 cores)
+    PYTHONPATH=. python benchmarks/waterwave.py --quick       # fewer steps and repeats
+    PYTHONPATH=. python benchmarks/waterwave.py --device cuda # the same on a GPU
 
-Until the launcher is wired in, plain threads stand in for it: each job is a
-training loop (an MLP on synthetic data, explicit torch.Generator) run in its own
-thread between `engine.job_started` and `engine.job_finished`, exactly the calls the
-launcher makes. Every job uses one intra-op thread (as a small job leaves most of a
-GPU idle); the sequential baseline is also timed with all cores.
+The jobs of (b), (c) and (d) are one real training script, benchmarks/train_job.py
+(an MLP on synthetic data, its own torch.Generator), run through wwrun's launcher
+(`wwrun.launch`, what `wwrun --policy P --memory-limit M train_job.py ... : ...`
+does) and as plain `python train_job.py` processes. Every variant gives each job one
+intra-op thread (OMP_NUM_THREADS=1, as a small job leaves most of a GPU idle), and
+times the jobs' training loops from the script's own timestamps (first loop start to
+last loop end) after two untimed warm-up steps, leaving out interpreter start-up,
+imports and first-step costs, which a fresh process pays and a thread of a warm
+launcher does not; side-by-side processes start their loops together. Medians over
+interleaved repeats.
 
-(a) largest batch per job with 2 and 3 jobs sharing the budget, as a fraction of the
+(a) largest batch per job with 2 and 3 jobs sharing a budget, as a fraction of the
     job's solo maximum: waterwave, and spatial sharing (every job's whole peak must
-    fit, as with processes or MPS side by side). Found by bisection on real runs:
-    a batch "trains" when every job finishes and the measured peak stays in budget.
-(b) oversubscription: 3 jobs whose summed peaks are ~1.5x the budget, waterwave
-    against sequential (temporal sharing). Separate processes side by side would
-    need 1.5x the budget: on the CPU nothing stops them, so their time is shown
-    with the budget they would have exceeded.
-(c) no oversubscription: 3 jobs under waterwave against 3 separate processes.
-(d) the cost of one gate (an admission decision on the job's thread, µs), the
-    engine's fixed cost per iteration (µs, on a tiny model), and a single job's
-    overhead under waterwave against the same loop without wwrun.
+    fit, as with processes or MPS side by side). Engine-level: a bisection needs
+    dozens of short runs, so threads between `engine.job_started` and
+    `engine.job_finished` (the calls the launcher makes) stand in for the launcher.
+    A batch "trains" when every job finishes, all ran at once at some point, and the
+    measured peak stays in budget.
+(b) oversubscription: 3 jobs whose summed peaks are 1.5x `--memory-limit`:
+    `--policy waterwave` against `--policy sequential` (temporal sharing; timed as
+    its loops back to back, without the gaps between jobs), and
+    against 3 separate processes side by side (spatial sharing). On the CPU nothing
+    enforces a budget on processes, so their time is shown with the budget they
+    would need.
+(c) no oversubscription (a budget holding all three peaks): `--policy waterwave`
+    against the 3 separate processes.
+(d) the cost of one gate (an admission decision on the job's thread, µs) and the
+    engine's fixed cost per iteration (µs, on a tiny model): engine-level
+    micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
+    a plain thread; and with `--policy waterwave`, the engine measuring and gating)
+    against `python train_job.py`, least of the repeats.
 
 Prints the figures, then LAST one JSON object on one line; full runs also save it
-to benchmarks/results/waterwave-<device>.json. On a GPU the same experiments are one
-command, `python benchmarks/waterwave.py --device cuda` (never run: the machine it
-was written on has no GPU; the budget is then kept by the engine's device-independent
-saved-tensor accounting, not yet by the allocator's stats).
+to benchmarks/results/waterwave-<device>.json. The CUDA command has never been run
+(the machine it was written on has no GPU); there the launcher keeps the budget.
 """
 
 from __future__ import annotations
@@ -34,20 +46,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
-import threading
-import time
 
-import torch
-from torch import nn
+# One intra-op thread per job in every variant, read by torch at import in this
+# process and in each job process it starts; the launcher leaves an explicit
+# OMP_NUM_THREADS alone (otherwise it divides the cores among the running jobs).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import wwrun  # noqa: E402
+from wwrun.display import QuietDisplay  # noqa: E402
 from wwrun.engine import Engine, JobTooLarge  # noqa: E402
 
 INPUTS, CLASSES = 32, 10
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+JOB_SCRIPT = os.path.join(HERE, "train_job.py")
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -143,55 +170,87 @@ def job_peak(width: int, batch: int) -> int:
     return engine.job_report("job0")["peak_memory_bytes"]
 
 
-def processes(jobs: list[dict]) -> float:
-    """The jobs as separate processes side by side (spatial sharing): seconds from a
-    common start (every worker has imported torch and waits on stdin) to the last
-    job's end (its "done"; interpreter start and exit, ~2 s each with torch, excluded)."""
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--device", DEVICE, "--worker", json.dumps(spec)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for spec in jobs
-    ]
+def job_args(width: int, batch: int, steps: int, seed: int) -> list[str]:
+    return ["--width", str(width), "--batch", str(batch), "--steps", str(steps),
+            "--seed", str(seed), "--device", DEVICE]
+
+
+def loop_span(stdout: str) -> tuple[float, float]:
+    """(start, end) of a job's training loop, from train_job.py's last line."""
+    figures = json.loads(stdout.strip().splitlines()[-1])
+    assert figures["threads"] == 1, f"a job used {figures['threads']} intra-op threads"
+    return figures["start"], figures["end"]
+
+
+def makespan(spans: list[tuple[float, float]]) -> float:
+    """Seconds from the first job's loop start to the last job's loop end."""
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None):
+    """Run the jobs through wwrun's launcher, as `wwrun --policy P --memory-limit M
+    train_job.py ARGS : ...` would; (the jobs' loop spans, RunResult)."""
+    log_dir = tempfile.mkdtemp(prefix="wwrun-bench-")
+    try:
+        result = wwrun.launch(wwrun.LaunchConfig(
+            jobs=[wwrun.JobSpec(name=f"job{i}", script=JOB_SCRIPT, args=args) for i, args in enumerate(jobs)],
+            policy=policy, memory_limit=memory_limit, device=DEVICE, quiet=True, log_dir=log_dir,
+        ), display=QuietDisplay(Console(quiet=True)))  # not even --quiet's summary table
+        if result.exit_code != 0:
+            raise RuntimeError(f"wwrun --policy {policy} failed: {[j.error for j in result.jobs]}")
+        spans = [loop_span((Path(job.log_dir) / "stdout.log").read_text()) for job in result.jobs]
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return spans, result
+
+
+def back_to_back(spans: list[tuple[float, float]]) -> float:
+    """The jobs' loop times summed: --policy sequential without the gaps between jobs
+    (where the next job builds its model and takes its warm-up steps)."""
+    return sum(end - start for start, end in spans)
+
+
+def processes(jobs: list[list[str]]) -> float:
+    """The jobs as separate `python train_job.py` processes side by side (spatial
+    sharing); the makespan of their training loops, which start together once every
+    process has imported torch and taken its warm-up steps (--ready-go)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, JOB_SCRIPT, *args, "--ready-go"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for args in jobs]
     for p in procs:
-        assert p.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("a job process failed before its loop")
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
-    for p in procs:
-        if p.stdout.readline().strip() != "done":
-            raise RuntimeError("a worker process failed")
-    elapsed = time.perf_counter() - start
-    for p in procs:
-        p.wait()
-    return elapsed
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError("a job process failed")
+    return makespan([loop_span(out) for out in outputs])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
     torch.set_num_threads(1)
-    if args.worker:
-        spec = json.loads(args.worker)
-        # One-time imports, and the allocator's warm-up (glibc raises its mmap threshold
-        # after the first large frees), as the parent process has had them.
-        train(**{**spec, "steps": 2})
-        print("ready", flush=True)
-        sys.stdin.readline()
-        train(**spec)
-        print("done", flush=True)
-        return
-    repeats, steps = (3, 10) if args.quick else (5, 30)
+    repeats, steps = (2, 20) if args.quick else (5, 60)
     train(width=8, batch=2, steps=2, seed=0)  # one-time imports and warm-up
     width = 128
-    result: dict = {"device": DEVICE, "threads_per_job": 1, "torch": torch.__version__, "quick": args.quick}
+    cores = os.cpu_count()
+    command = "python benchmarks/waterwave.py" + (f" --device {DEVICE}" if DEVICE != "cpu" else "") + (" --quick" if args.quick else "")
+    result: dict = {"device": DEVICE, "device_name": device_name(), "cpu_cores": cores, "threads_per_job": 1,
+                    "torch": torch.__version__, "command": command, "quick": args.quick,
+                    "load_average_at_start": round(os.getloadavg()[0], 2)}  # others' work on shared cores
+    print(f"{DEVICE} ({result['device_name']}), {cores} CPU cores, one intra-op thread per job "
+          f"(OMP_NUM_THREADS=1), torch {torch.__version__}, load average {result['load_average_at_start']}")
 
-    # (a) largest batch, solo and shared.
+    # (a) largest batch, solo and shared: engine-level (threads between job_started and
+    # job_finished, as the launcher calls them), as a bisection needs many short runs.
     capacity_a = 32 * 2**20
     solo = largest_batch(1, width, capacity_a, "waterwave", high=1 << 16)
     fractions = {}
@@ -203,71 +262,82 @@ def main() -> None:
     result["a_solo_max_batch"] = solo
     result["a_batch_fraction"] = fractions
 
-    # (b) oversubscription: 3 jobs, summed peaks ~1.5x the budget.
+    # (b) oversubscription: 3 jobs whose summed peaks are ~1.5x the budget.
     batch = 2048
-    peak = job_peak(width, batch)
+    _, alone = launched([job_args(width, batch, 3, 0)], "waterwave")
+    peak = alone.jobs[0].extra["peak_memory_bytes"]
     capacity_b = int(3 * peak / 1.5)
-    jobs = [dict(width=width, batch=batch, steps=steps, seed=i) for i in range(3)]
+    jobs = [job_args(width, batch, steps, seed) for seed in range(3)]
+    waterwave_peaks = []
 
     def waterwave_run():
-        engine = Engine(capacity_b, "waterwave")
-        wall, errors = run_threads(engine, jobs)
-        assert all(e is None for e in errors.values()), errors
-        assert engine.run_report()["peak_memory_bytes"] <= capacity_b
-        return wall
-
-    def sequential_run(threads=1):
-        torch.set_num_threads(threads)
-        try:
-            return sum(run_threads(None, [spec])[0] for spec in jobs)
-        finally:
-            torch.set_num_threads(1)
-
-    def waterwave_roomy():  # (c): no oversubscription, everything fits at once
-        engine = Engine(4 * peak, "waterwave")
-        wall, errors = run_threads(engine, jobs)
-        assert all(e is None for e in errors.values()), errors
-        return wall
+        spans, run = launched(jobs, "waterwave", capacity_b)
+        assert run.extra["peak_memory_bytes"] <= capacity_b, run.extra
+        waterwave_peaks.append(run.extra["peak_memory_bytes"])
+        return makespan(spans)
 
     # Interleaved repeats, so that the load of a shared machine drifts over all alike.
     modes = {
-        "ww": waterwave_run, "seq": sequential_run,
-        "seq_all": lambda: sequential_run(os.cpu_count() or 1),
-        "side": lambda: processes(jobs), "roomy": waterwave_roomy,
+        "waterwave": waterwave_run,
+        "sequential": lambda: back_to_back(launched(jobs, "sequential")[0]),
+        "processes": lambda: processes(jobs),
+        # (c): no oversubscription, the budget holds all three peaks at once.
+        "waterwave_roomy": lambda: makespan(launched(jobs, "waterwave", 4 * peak)[0]),
     }
     times = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, run in modes.items():
             times[mode].append(run())
-    ww, seq, seq_all, side, roomy = (statistics.median(times[m]) for m in modes)
-    result["b_summed_peaks_over_budget"] = round(3 * peak / capacity_b, 3)
+    ww, seq, side, roomy = (statistics.median(times[m]) for m in modes)
+    over = 3 * peak / capacity_b
+    result["b_job_peak_bytes"] = peak
+    result["b_budget_bytes"] = capacity_b
+    result["b_summed_peaks_over_budget"] = round(over, 3)
+    result["b_waterwave_peak_over_budget"] = round(max(waterwave_peaks) / capacity_b, 3)
+    result["b_seconds"] = {"waterwave": round(ww, 3), "sequential": round(seq, 3), "processes": round(side, 3)}
     result["b_speedup_vs_sequential"] = round(seq / ww, 3)
-    result["b_speedup_vs_sequential_all_cores"] = round(seq_all / ww, 3)
-    result["b_processes_side_by_side_s"] = round(side, 3)
-    result["b_processes_would_need_budget_x"] = round(3 * peak / capacity_b, 3)
-    print(f"(b) 3 jobs, peaks {3 * peak / capacity_b:.2f}x the budget: waterwave {ww:.2f}s, "
-          f"sequential {seq:.2f}s ({seq / ww:.2f}x), sequential on all cores {seq_all:.2f}s "
-          f"({seq_all / ww:.2f}x); processes side by side {side:.2f}s but need "
-          f"{3 * peak / capacity_b:.2f}x the budget")
+    result["b_speedup_vs_processes"] = round(side / ww, 3)
+    result["b_processes_would_need_budget_x"] = round(over, 3)
+    print(f"(b) 3 jobs x {steps} steps, peaks {over:.2f}x the {capacity_b / 2**20:.1f} MiB budget "
+          f"(waterwave's measured peak {max(waterwave_peaks) / capacity_b:.2f}x): "
+          f"wwrun --policy waterwave {ww:.2f}s | --policy sequential {seq:.2f}s ({seq / ww:.2f}x) | "
+          f"3 python processes {side:.2f}s ({side / ww:.2f}x), which need {over:.2f}x the budget")
 
+    result["c_seconds"] = {"waterwave": round(roomy, 3), "processes": round(side, 3)}
     result["c_speedup_vs_processes"] = round(side / roomy, 3)
-    print(f"(c) no oversubscription: waterwave {roomy:.2f}s, processes {side:.2f}s ({side / roomy:.2f}x)")
+    print(f"(c) no oversubscription: wwrun --policy waterwave {roomy:.2f}s | 3 python processes "
+          f"{side:.2f}s ({side / roomy:.2f}x)")
 
-    # (d) one gate, and a single job's overhead: a tiny iteration (a few ms, the
-    # worst case: the cost per gate and per saved tensor is fixed) and a larger one.
+    # (d) one gate, and a single job's overhead: `wwrun train_job.py` (one job: plain
+    # thread, and --policy waterwave) against `python train_job.py`, on the training
+    # loop's time; a small iteration (a few ms: fixed costs per gate and per saved
+    # tensor weigh most) and a larger one.
     result["d_gate_us"] = round(gate_cost_us(), 2)
-    for label, batch_d in (("small", 512), ("large", 4096)):
-        single = [dict(width=256, batch=batch_d, steps=steps * 2, seed=0)]
-        plain_s, engine_s = [], []
-        for _ in range(repeats):  # interleaved, so drift hits both alike
-            plain_s.append(run_threads(None, single)[0])
-            engine_s.append(run_threads(Engine(1 << 34, "waterwave"), single)[0])
+    for label, batch_d, steps_d in (("small", 512, steps * 2), ("large", 4096, steps)):
+        single = [job_args(256, batch_d, steps_d, 0)]
+        loops = {"python": [], "wwrun": [], "wwrun_waterwave": []}
+        outside = []  # the launch's wall time beyond the timed loop
+        for _ in range(repeats):  # interleaved, so drift hits all alike
+            loops["python"].append(processes(single))
+            spans, run = launched(single, "concurrent")
+            loop = makespan(spans)
+            loops["wwrun"].append(loop)
+            outside.append(run.wall_s - loop)
+            loops["wwrun_waterwave"].append(makespan(launched(single, "waterwave")[0]))
+        result[f"d_launch_outside_loop_s_{label}"] = round(statistics.median(outside), 3)
         # The least of the runs: on a shared machine the noise only ever adds time.
-        overhead = min(engine_s) / min(plain_s) - 1
-        result[f"d_single_job_overhead_{label}"] = round(overhead, 4)
-        result[f"d_iteration_ms_{label}"] = round(min(plain_s) / (steps * 2) * 1e3, 2)
-        print(f"(d) a single job under waterwave, {min(plain_s) / (steps * 2) * 1e3:.1f} ms per "
-              f"iteration: {overhead * 100:+.2f}% (median {statistics.median(engine_s) / statistics.median(plain_s) * 100 - 100:+.2f}%)")
+        best = {k: min(v) for k, v in loops.items()}
+        result[f"d_iteration_ms_{label}"] = round(best["python"] / steps_d * 1e3, 2)
+        result[f"d_single_job_overhead_{label}"] = round(best["wwrun"] / best["python"] - 1, 4)
+        result[f"d_single_job_overhead_waterwave_{label}"] = round(best["wwrun_waterwave"] / best["python"] - 1, 4)
+        print(f"(d) one job, {best['python'] / steps_d * 1e3:.1f} ms per iteration under python: "
+              f"wwrun {(best['wwrun'] / best['python'] - 1) * 100:+.2f}%, "
+              f"wwrun --policy waterwave {(best['wwrun_waterwave'] / best['python'] - 1) * 100:+.2f}% "
+              f"(medians {statistics.median(loops['wwrun']) / statistics.median(loops['python']) * 100 - 100:+.2f}%, "
+              f"{statistics.median(loops['wwrun_waterwave']) / statistics.median(loops['python']) * 100 - 100:+.2f}%)")
+    print(f"(d) a one-job launch's wall time beyond the timed loop (thread, script set-up, "
+          f"2 warm-up steps, teardown): {result['d_launch_outside_loop_s_small']:.2f}s, "
+          f"{result['d_launch_outside_loop_s_large']:.2f}s")
     print(f"(d) one gate: {result['d_gate_us']} µs")
     # The engine's fixed cost per iteration, on a model so small that its compute
     # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
@@ -278,13 +348,19 @@ def main() -> None:
         costs[policy] = min(runs) / 2000 * 1e6
     result["d_measuring_us_per_iteration"] = round(costs["concurrent"] - costs[None], 1)
     result["d_gating_us_per_iteration"] = round(costs["waterwave"] - costs["concurrent"], 1)
-    print(f"(d) fixed cost per iteration: {costs['concurrent'] - costs[None]:.0f} µs measuring memory"
+    print(f"(d) engine's fixed cost per iteration: {costs['concurrent'] - costs[None]:.0f} µs measuring memory"
           f" (saved-tensor hooks), {costs['waterwave'] - costs['concurrent']:.0f} µs gating 4 NodeGroups")
     if not args.quick:
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result))
+
+
+def device_name() -> str:
+    if DEVICE == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
 
 
 def gate_cost_us(n: int = 20000) -> float:
