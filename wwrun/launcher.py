@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -529,10 +528,6 @@ class _Runner:
             return allocator.job_stats(name)["allocated_bytes"]
         except ValueError:  # not registered yet
             return None
-
-    @property
-    def stuck_jobs(self) -> list[str]:
-        return [j.spec.name for j in self.jobs if j.thread is not None and j.thread.is_alive()]
 
     # -- signals and children -------------------------------------------------------
 
