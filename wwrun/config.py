@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("waterwave", "concurrent", "sequential")
 QUEUES = ("fifo", "las")
+HALTS = ("never", "soon", "now")
 
 # Job names become folder names under the log directory.
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,-]*$")
@@ -87,6 +88,26 @@ def parse_size(text: str | int | float) -> int | float:
     return size
 
 
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^\s*(?:([0-9]*\.?[0-9]+)\s*([smhd]?)\s*)+$")
+_DURATION_PART = re.compile(r"([0-9]*\.?[0-9]+)\s*([smhd]?)")
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds in a duration: '90' or '90s' -> 90.0, '1h30m' -> 5400.0, '2d' -> 172800.0."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a duration: {text!r}")
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        if not _DURATION.match(str(text)):
+            raise ValueError(f"not a duration: {text!r} (try '90s', '30m' or '1h30m')")
+        seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(str(text)))
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return seconds
+
+
 def resolve_size(limit: int | float | None, capacity: int | None) -> int | None:
     """Bytes for a `parse_size` result, fractions taken of `capacity` bytes."""
     if limit is None or isinstance(limit, int):
@@ -135,6 +156,12 @@ class JobSpec:
     """Higher starts first when not every job can run at once."""
     memory_limit: int | float | None = None
     """Bytes (int) or a fraction of the device (float); beyond it only this job fails."""
+    timeout: float | None = None
+    """Seconds this job may run (each attempt); then it is interrupted. None: no limit."""
+    retries: int | None = None
+    """Times a failed job is queued again; None: the run's `retries`."""
+    stdin: bool = False
+    """This job reads the launcher's standard input (at most one job; a lone job always does)."""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME_OK.match(self.name):
@@ -156,6 +183,11 @@ class JobSpec:
                 self.memory_limit = parse_size(self.memory_limit)
             except ValueError as err:
                 raise ConfigError("memory_limit", str(err)) from None
+        _check_timeout(self)
+        if self.retries is not None:
+            _check_count("retries", self.retries, minimum=0)
+        if not isinstance(self.stdin, bool):
+            raise ConfigError("stdin", f"must be true or false, got {self.stdin!r}")
 
     @property
     def argv(self) -> list[str]:
@@ -211,6 +243,13 @@ class LaunchConfig:
     """Names the run's log folder."""
     grace_period_s: float = 10.0
     """After the first Ctrl-C/SIGTERM, how long jobs have to stop."""
+    timeout: float | None = None
+    """Seconds the whole run may take; then every job is interrupted. None: no limit."""
+    retries: int = 0
+    """Times a failed job is queued again (a job's own `retries` wins)."""
+    halt: str = "never"
+    """After a job fails: never (the others go on), soon (start nothing new), now
+    (interrupt the running jobs too), as GNU parallel's --halt."""
     source: str | None = None
     """The recipe this config was read from, if any."""
 
@@ -239,6 +278,11 @@ class LaunchConfig:
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
         if self.grace_period_s < 0:
             raise ConfigError("grace_period_s", "must not be negative")
+        _check_timeout(self)
+        _check_count("retries", self.retries, minimum=0)
+        _choice("halt", self.halt, HALTS)
+        if sum(job.stdin for job in self.jobs) > 1:
+            raise ConfigError("jobs", "at most one job may read stdin")
 
     @property
     def resolved_policy(self) -> str:
@@ -256,3 +300,18 @@ def _choice(name: str, value, choices) -> None:
         raise ConfigError(
             name, f"{value!r} is not one of {', '.join(choices)}{closest(str(value), choices)}"
         )
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_timeout(config) -> None:
+    """Durations may be given as text ('1h30m'); stored as seconds."""
+    if config.timeout is None:
+        return
+    try:
+        config.timeout = parse_duration(config.timeout)
+    except ValueError as err:
+        raise ConfigError("timeout", str(err)) from None
