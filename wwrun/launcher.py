@@ -39,12 +39,18 @@ EXIT_INTERRUPTED = 130
 class JobState(str, enum.Enum):
     """Where a job is in its life.
 
-    pending -> running -> succeeded | failed | interrupted
-    pending -> cancelled        (the run was interrupted before the job started)
+    pending -> queued -> running -> succeeded | failed | interrupted
+    running <-> waiting          (its next NodeGroup waits for memory)
+    pending | queued -> cancelled (the run was interrupted before the job started)
+
+    `queued`: waiting for a slot (`max_concurrent`, `sequential`) or for admission
+    beside the running jobs' memory; its script has not started.
     """
 
     PENDING = "pending"
+    QUEUED = "queued"
     RUNNING = "running"
+    WAITING = "waiting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
@@ -52,7 +58,7 @@ class JobState(str, enum.Enum):
 
     @property
     def is_final(self) -> bool:
-        return self not in (JobState.PENDING, JobState.RUNNING)
+        return self not in (JobState.PENDING, JobState.QUEUED, JobState.RUNNING, JobState.WAITING)
 
 
 @dataclass(kw_only=True)
