@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from wwrun import __version__
-from wwrun.cli import config_from_args, get_args_parser, main
+from wwrun.cli import config_from_args, main, parse_args
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -19,7 +19,27 @@ NO_GUARD = str(SCRIPTS / "no_guard.py")
 
 
 def config(*argv):
-    return config_from_args(get_args_parser().parse_args(list(argv)))
+    return config_from_args(parse_args(list(argv)))
+
+
+def run_main(argv, capsys) -> tuple[int, str]:
+    """main's exit code (argparse's exits included) and its stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    """A recipe whose one job would leave a file behind if it ever ran."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(f"jobs:\n  - script: {script}\n")
+    return path
 
 
 def test_mpmd_jobs_split_on_colons():
@@ -78,7 +98,10 @@ def test_recipe_by_suffix_or_flag_with_options_overriding_defaults(tmp_path):
         (["--policy", "fast", A], "invalid choice"),
         (["--bogus", A], "unrecognized arguments"),
         ([], "no job given"),
-        (["-c", "r.yaml", A], "either a recipe or scripts"),
+        (["-c", "r.yaml", A], "nothing but wwrun's options may follow it"),
+        (["--dryrun", A], "unrecognized arguments: --dryrun (did you mean --dry-run?)"),
+        (["--policy", "concurrent", "--trace", "t.json", A], "trace: needs the waterwave policy, not concurrent"),
+        (["--policy", "sequential", "--explain", A, ":", B], "explain: needs the waterwave policy"),
         (["nope.yaml"], "nope.yaml"),
     ],
 )
@@ -89,6 +112,54 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("wwrun: error: ")
     assert message in err
+
+
+@pytest.mark.parametrize(
+    "after, message",
+    [
+        ([":", B], "nothing but wwrun's options may follow it (got ':')"),
+        ([B], "nothing but wwrun's options may follow it"),
+        (["--reprt", "r.json"], "unrecognized arguments: --reprt (did you mean --report?)"),
+        (["-c", "other.yaml"], "give one recipe"),
+    ],
+)
+def test_after_a_recipe_only_options_may_follow(recipe, after, message, capsys):
+    code, err = run_main([str(recipe), *after], capsys)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (recipe.parent / "ran").exists()
+
+
+def test_options_after_a_recipe_are_the_launcher_s(recipe, tmp_path, capsys):
+    args = parse_args([str(recipe), "--dry-run", "--report", "r.json", "--policy", "sequential"])
+    assert (args.recipe, args.dry_run, args.report, args.policy) == (str(recipe), True, "r.json", "sequential")
+    assert main([str(recipe), "--dry-run", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert "script:" in capsys.readouterr().out
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json", ".JSON"])
+def test_a_recipe_file_is_never_run_as_python(tmp_path, suffix, capsys):
+    marker = tmp_path / "ran"
+    path = tmp_path / f"looks_like{suffix}"
+    path.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    for argv in ([str(path)], [str(path), "--dry-run"], [NO_GUARD, ":", str(path)]):
+        code, err = run_main(argv, capsys)
+        assert code == 2 and err.count("\n") == 1, err
+    assert not marker.exists()
+
+
+def test_a_json_recipe_is_read_as_a_recipe(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text('{"jobs": [{"script": "%s", "args": ["--x"]}]}' % NO_GUARD)
+    assert main([str(path), "--dry-run"]) == 0
+    assert "--x" in capsys.readouterr().out
+
+
+def test_memory_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, err = run_main(["--log-dir", str(tmp_path), "--memory-plot", "m.png", NO_GUARD], capsys)
+    assert code == 2 and "needs matplotlib" in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())
 
 
 def test_dry_run_prints_the_resolved_jobs_and_runs_nothing(tmp_path, capsys):

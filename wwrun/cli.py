@@ -2,16 +2,18 @@
 
     wwrun [options] script.py [args...] [: script.py [args...]]...
     wwrun [options] -m module [args...] [: -m module [args...]]...
-    wwrun [options] recipe.yaml          (or -c recipe.yaml)
+    wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
-belongs to that script, so wwrun's own options come first. Options given here
-override a recipe's `defaults:`.
+belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
+.yml or .json file, never run as Python) only wwrun's options may follow. Options
+given here override a recipe's `defaults:`.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -19,15 +21,34 @@ import threading
 from pathlib import Path
 
 from wwrun import __version__
-from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size
+from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size, preflight
 
 _SEPARATOR = ":"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]")  # job names name log folders
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, as for every bad input
-        self.exit(2, f"wwrun: error: {message} (see wwrun --help)\n")
+        self.exit(2, f"wwrun: error: {one_line(message)}{self._did_you_mean(message)} (see wwrun --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        unknown = re.match(r"unrecognized arguments: (-\S+)", message)
+        if not unknown:
+            return ""
+        flag = unknown.group(1).split("=", 1)[0]
+        flags = [option for option in self._option_string_actions if option.startswith("--")]
+        match = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+        return f" (did you mean {match[0]}?)" if match else ""
+
+
+def one_line(message: str) -> str:
+    """A message as one line, whatever the user's values hold."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def is_recipe(path: str) -> bool:
+    return path.lower().endswith(RECIPE_SUFFIXES)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -59,18 +80,36 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; wwrun's options may also follow a recipe."""
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.recipe is None and not args.module and args.command and is_recipe(args.command[0]):
+        recipe, rest = args.command[0], args.command[1:]
+        args.command = []
+        parser.parse_args(rest, namespace=args)  # what follows the recipe: options only
+        if args.recipe is not None:
+            parser.error("give one recipe")
+        args.recipe = recipe
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Translate parsed arguments into a LaunchConfig (raises ConfigError)."""
     from wwrun.recipe import load_recipe
 
     command = list(args.command)
     recipe = args.recipe
-    if recipe is None and len(command) == 1 and command[0].endswith((".yaml", ".yml")) and not args.module:
-        recipe = command.pop()
+    if recipe is None and not args.module and command and is_recipe(command[0]):
+        recipe, command = command[0], command[1:]
     options = _options(args)
     if recipe is not None:
         if command:
-            raise ConfigError("", "give either a recipe or scripts, not both")
+            shown = " ".join(command)
+            what = "':'" if _SEPARATOR in command else f"{shown[:60]!r}"
+            raise ConfigError(
+                "", f"a recipe runs its own jobs: nothing but wwrun's options may follow it (got {what})"
+            )
         return load_recipe(recipe).replace(**options)
     if not command:
         raise ConfigError("", "no job given: wwrun script.py [args...] [: script.py ...] or wwrun recipe.yaml")
@@ -124,6 +163,8 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
             base = target
         else:
             path = Path(target)
+            if is_recipe(target):
+                raise ConfigError(where, f"{target} is a recipe, not a script: give it alone (wwrun {target})")
             if not path.is_file():
                 raise ConfigError(where, f"no such script: {target}")
             spec = {"script": str(path.resolve())}
@@ -151,15 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     from wwrun.launcher import EXIT_INTERRUPTED, launch
     from wwrun.recipe import dump_recipe
 
-    args = get_args_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         config = config_from_args(args)
+        preflight(config)
         if args.dry_run:
             sys.stdout.write(dump_recipe(config))
             return 0
         result = launch(config)
     except ConfigError as err:
-        print(f"wwrun: error: {err}", file=sys.stderr)
+        print(f"wwrun: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED

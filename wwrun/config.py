@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 import time
@@ -286,13 +287,39 @@ class LaunchConfig:
 
     @property
     def resolved_policy(self) -> str:
-        """waterwave for several jobs or under a memory limit, else concurrent."""
+        """waterwave for several jobs, under a memory limit or when the engine is to be
+        observed (trace, memory_plot, explain), else concurrent."""
         if self.policy is not None:
             return self.policy
-        return "waterwave" if len(self.jobs) > 1 or self.memory_limit is not None else "concurrent"
+        wants_engine = len(self.jobs) > 1 or self.memory_limit is not None or self.observed
+        return "waterwave" if wants_engine else "concurrent"
+
+    @property
+    def observed(self) -> bool:
+        """An option that only the waterwave engine can honour is given."""
+        return bool(self.trace or self.memory_plot or self.explain)
 
     def replace(self, **changes) -> LaunchConfig:
         return dataclasses.replace(self, **changes)
+
+
+def preflight(config: LaunchConfig) -> None:
+    """The checks that need this machine, not just the config: run before anything
+    starts (the CLI calls it before `launch`, and on `--dry-run`), so that a run is
+    never refused after its jobs ran. Raises ConfigError.
+    """
+    _check_observation(config)
+
+
+def _check_observation(config: LaunchConfig) -> None:
+    """--trace, --memory-plot and --explain observe the waterwave engine: refused up
+    front where none would run, rather than writing nothing after the run."""
+    policy = config.resolved_policy
+    for name in ("trace", "memory_plot", "explain"):
+        if getattr(config, name) and policy != "waterwave":
+            raise ConfigError(name, f"needs the waterwave policy, not {policy} (drop the policy option)")
+    if config.memory_plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("memory_plot", "needs matplotlib, which is not installed (pip install matplotlib)")
 
 
 def _choice(name: str, value, choices) -> None:
