@@ -222,7 +222,8 @@ def test_two_entries_with_the_same_name(project):
 
 def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
     config = load(project, """
-        defaults: {device: cpu, memory_limit: 37%, max_concurrent: 3, tee: true}
+        defaults: {device: cpu, memory_limit: 37%, max_concurrent: 3, tee: true, grace_period_s: 2.5,
+                   timeout: 1h30m, retries: 2, halt: soon}
         jobs:
           - script: train.py
             args: --lr {lr} --seed {seed} --note "it's {lr}"
@@ -230,10 +231,14 @@ def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
             cwd: runs
             memory_limit: 512MB
             priority: 5
+            timeout: 90s
+            retries: 1
             repeat: 2
             sweep: {grid: {lr: [0.1, 0.01]}, zip: {seed: [7]}}
-          - {module: pkg.train, args: ["0.5", "true", "null", "{}"]}
+          - {module: pkg.train, args: ["0.5", "true", "null", "{}"], stdin: true, memory_limit: 0.5}
     """)
+    assert (config.grace_period_s, config.timeout, config.retries, config.halt) == (2.5, 5400.0, 2, "soon")
+    assert (config.jobs[0].timeout, config.jobs[0].retries, config.jobs[4].stdin) == (90.0, 1, True)
     text = dump_recipe(config)
     assert "sweep" not in text and "repeat:" not in text
     elsewhere = tmp_path_factory.mktemp("elsewhere") / "recipe.yaml"
@@ -316,7 +321,7 @@ ERRORS = {
         "jobs[0].memory_limit: unknown unit 'GiBs' in '2 GiBs' (did you mean 'gib'?)"),
     "size type": (
         "jobs: [{script: train.py, memory_limit: 1.5}]",
-        "jobs[0].memory_limit: expected a size like '2GiB', '512MB', '80%' or 0.8, got the number 1.5"),
+        "jobs[0].memory_limit: 1.5 is neither a fraction of the device (0 < x <= 1) nor a whole number of bytes"),
     "missing script": (
         "jobs: [{script: nope.py}]",
         "jobs[0].script: no such file: {folder}/nope.py"),

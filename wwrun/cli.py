@@ -21,10 +21,9 @@ import threading
 from pathlib import Path
 
 from wwrun import __version__
-from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size, preflight
+from wwrun.config import ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, shorten
 
 _SEPARATOR = ":"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]")  # job names name log folders
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -52,27 +51,24 @@ def is_recipe(path: str) -> bool:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
+    """wwrun's parser: LaunchConfig's options (from its field metadata), then the
+    command line's own (recipe, module, repeat, dry run)."""
     parser = _Parser(
         prog="wwrun",
         description="Train several unmodified PyTorch scripts at once, as threads of one process.",
-        usage="wwrun [options] (script.py | -m module) [args...] [: ...] | wwrun [options] recipe.yaml",
+        usage="wwrun [options] (script.py | -m module) [args...] [: ...] | wwrun recipe.yaml [options]",
     )
     add = parser.add_argument
-    add("--device", choices=DEVICES, help="where jobs run (default: auto = cuda when present)")
-    add("--memory-limit", metavar="SIZE", help="device memory the run may use: 2GiB, 512MB, 80%%")
-    add("--policy", choices=POLICIES, help="waterwave (default for several jobs), concurrent or sequential")
-    add("--max-concurrent", type=int, metavar="N", help="run at most N jobs at once")
-    add("--queue", choices=QUEUES, help="order of waiting jobs: fifo (default) or las (least attained service)")
-    add("--nodegroups", type=int, metavar="N", help="NodeGroups per model (default: automatic)")
-    add("--log-dir", metavar="DIR", help="where logs go (default: wwrun_logs)")
-    add("--tee", action="store_const", const=True, help="echo every job line to the terminal")
-    add("--report", metavar="FILE.json", help="write the run's JSON report")
-    add("--events", metavar="FILE|-", help="write a JSON line per job state change")
-    add("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of NodeGroups, waits and memory")
-    add("--memory-plot", metavar="FILE.png", help="plot memory per job over time against the limit")
-    add("--explain", action="store_const", const=True, help="print each job's NodeGroups after the run")
+    for f in options():
+        flag, meta = flag_of(f), f.metadata
+        if flag is None:
+            continue
+        if meta["kind"] == "flag":  # default None: only what was given overrides a recipe
+            add(flag, dest=f.name, action="store_const", const=True, help=meta["help"])
+        else:
+            add(flag, dest=f.name, choices=meta["choices"], metavar=meta["metavar"], help=meta["help"],
+                type=int if meta["kind"] == "count" else str)
     add("--dry-run", action="store_true", help="print the resolved jobs as a recipe and run nothing")
-    add("--quiet", action="store_const", const=True, help="print the summary only")
     add("--version", action="version", version=f"wwrun {__version__}")
     add("-c", "--recipe", metavar="FILE", help="read jobs and defaults from a YAML recipe")
     add("-m", "--module", action="store_true", help="the first job is a module, as with python -m")
@@ -117,29 +113,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _options(args: argparse.Namespace) -> dict:
-    options = {
-        "device": args.device,
-        "memory_limit": args.memory_limit,
-        "policy": args.policy,
-        "max_concurrent": args.max_concurrent,
-        "queue": args.queue,
-        "nodegroups": args.nodegroups,
-        "log_dir": args.log_dir,
-        "tee": args.tee,
-        "report": args.report,
-        "events": args.events,
-        "quiet": args.quiet,
-        "explain": args.explain,
-        "trace": args.trace,
-        "memory_plot": args.memory_plot,
-    }
-    if args.memory_limit is not None:
-        try:
-            options["memory_limit"] = parse_size(args.memory_limit)
-        except ValueError as err:
-            raise ConfigError("--memory-limit", str(err)) from None
-    # Only what was given overrides a recipe's defaults.
-    return {key: value for key, value in options.items() if value is not None}
+    """The options given on the command line: only they override a recipe's defaults."""
+    given = {f.name: getattr(args, f.name, None) for f in options()}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
@@ -162,13 +138,12 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
             spec = {"module": target}
             base = target
         else:
-            path = Path(target)
             if is_recipe(target):
-                raise ConfigError(where, f"{target} is a recipe, not a script: give it alone (wwrun {target})")
-            if not path.is_file():
-                raise ConfigError(where, f"no such script: {target}")
-            spec = {"script": str(path.resolve())}
-            base = path.stem
+                raise ConfigError(where, f"{shorten(target)} is a recipe, not a script: give it alone")
+            if not os.path.isfile(target):  # False, not an error, for a path too long to exist
+                raise ConfigError(where, f"no such script: {shorten(target)}")
+            spec = {"script": os.path.realpath(target)}
+            base = Path(target).stem
         name = _unique(base, used)
         try:
             jobs.append(JobSpec(name=name, args=args, **spec))
@@ -178,14 +153,20 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
 
 
 def _unique(base: str, used: set[str]) -> str:
-    """A valid job name from a script's stem or a module: unsafe characters become '_'."""
-    base = _UNSAFE.sub("_", base).lstrip("._=+,-") or "job"
+    """A valid job name from a script's stem or a module, unique among `used`."""
+    base = name_from(base)
     name, n = base, 1
     while name in used:
         n += 1
         name = f"{base}-{n}"
     used.add(name)
     return name
+
+
+def _as_flag(err: ConfigError) -> ConfigError:
+    """An error about an option, named as the flag the user typed: --memory-limit."""
+    flags = {f.name: flag_of(f) for f in options()}
+    return ConfigError(flags[err.where], err.reason) if flags.get(err.where) else err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         result = launch(config)
     except ConfigError as err:
-        print(f"wwrun: error: {one_line(str(err))}", file=sys.stderr)
+        print(f"wwrun: error: {one_line(str(_as_flag(err)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wwrun import isolation
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, resolve_size
+from wwrun.config import ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size
 from wwrun.output import JobOutput, Pump
 
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -154,6 +154,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
     """
     from wwrun.display import make_display
 
+    preflight(config)  # every check that can be made before anything starts
     isolation.install()
     return _Runner(config, display or make_display(config)).run()
 
@@ -207,6 +208,8 @@ class _Runner:
         self._children_before: set[int] = set()
         self.started = time.time()
         self.allocator = self._install_allocator()
+        if self.allocator == "native":
+            refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
         self.capacity = self._capacity()
         self.engine = self._make_engine()
         self._expected_releases: dict[str, int] = {}

@@ -37,24 +37,21 @@ from pathlib import Path
 
 import yaml
 
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, closest, parse_size
+from wwrun.config import (
+    ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
+)
+from wwrun.config import options as options_of
 
 TOP_KEYS = ("defaults", "jobs")
-OPTION_KEYS = (
-    "device", "memory_limit", "policy", "max_concurrent", "queue", "nodegroups",
-    "log_dir", "tee", "report", "events", "quiet", "explain", "trace", "memory_plot",
-)
-JOB_KEYS = (
-    "name", "script", "module", "args", "env", "cwd", "priority", "memory_limit",
-    "repeat", "sweep",
-)
+# The options and job keys are the config dataclasses' fields: declared once, there.
+OPTION_KEYS = tuple(f.name for f in options_of(LaunchConfig))
+JOB_FIELDS = tuple(f.name for f in options_of(JobSpec))
+JOB_KEYS = (*JOB_FIELDS, "repeat", "sweep")
 SWEEP_KEYS = ("grid", "zip")
 
 # `{key}` fills in a sweep value; any other brace is left as written.
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SWEEP_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Characters JobSpec refuses in a name (it names a log folder).
-_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._=+,-]")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -79,7 +76,7 @@ def dump_recipe(config: LaunchConfig) -> str:
     """
     import wwrun  # here, not at the top: the package's __init__ may import this module
 
-    options = {key: _dump_option(getattr(config, key)) for key in OPTION_KEYS}
+    options = {f.name: _dump_value(f, getattr(config, f.name)) for f in options_of(LaunchConfig)}
     jobs = [_dump_job(job) for job in config.jobs]
     origin = f" from {config.source}" if config.source else ""
     header = (
@@ -172,25 +169,15 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
     try:
         return LaunchConfig(jobs=jobs, source=str(recipe), **options)
     except ConfigError as err:
-        raise err.within("defaults") from None
+        raise (err.within("defaults") if err.where in OPTION_KEYS else err) from None
 
 
 def _read_options(defaults, where: str) -> dict:
-    """The launcher options of `defaults:`, type-checked; LaunchConfig checks values."""
+    """The launcher options of `defaults:`; LaunchConfig checks their values."""
     if not isinstance(defaults, dict):
         raise ConfigError(where, f"expected a mapping of launcher options, got {_kind(defaults)}")
     _check_keys(defaults, OPTION_KEYS, where)
-    checks = {
-        "device": _text, "policy": _text, "queue": _text, "log_dir": _text,
-        "report": _text, "events": _text, "trace": _text, "memory_plot": _text, "memory_limit": _size,
-        "max_concurrent": _integer, "nodegroups": _integer, "tee": _boolean, "quiet": _boolean,
-        "explain": _boolean,
-    }
-    return {
-        key: checks[key](value, f"{where}.{key}")
-        for key, value in defaults.items()
-        if value is not None
-    }
+    return {key: value for key, value in defaults.items() if value is not None}
 
 
 def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
@@ -209,10 +196,10 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     template = _scalar(given["name"], f"{where}.name") if "name" in given else default_name
     args = _read_args(given.get("args", []), f"{where}.args")
     env = _read_env(given.get("env", {}), f"{where}.env")
-    priority = _integer(given.get("priority", 0), f"{where}.priority", minimum=None)
-    memory_limit = (
-        _size(given["memory_limit"], f"{where}.memory_limit") if "memory_limit" in given else None
-    )
+    # The job's other fields, as given: JobSpec checks them.
+    fields = {key: given[key] for key in JOB_FIELDS if key in given} | {"cwd": cwd}
+    for key in ("name", "script", "module", "args", "env"):
+        fields.pop(key, None)
     repeat = _integer(given.get("repeat", 1), f"{where}.repeat")
     points = _read_sweep(given.get("sweep"), f"{where}.sweep")
     _check_placeholders(template, args, points[0], given.get("sweep"), where)
@@ -224,9 +211,8 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
             try:
                 job = JobSpec(
                     name=_job_name(template, point, index, repeat),
-                    script=script, module=module, cwd=cwd, env=dict(env),
-                    args=[_fill(arg, values) for arg in args],
-                    priority=priority, memory_limit=memory_limit,
+                    script=script, module=module, env=dict(env),
+                    args=[_fill(arg, values) for arg in args], **fields,
                 )
             except ConfigError as err:
                 raise err.within(where) from None
@@ -245,7 +231,7 @@ def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str
         script = _absolute(folder, _text(given["script"], f"{where}.script"))
         if not os.path.isfile(script):
             raise ConfigError(f"{where}.script", f"no such file: {script}")
-        return script, None, _NOT_IN_NAMES.sub("_", Path(script).stem)
+        return script, None, name_from(Path(script).stem)
     module = _text(given["module"], f"{where}.module")
     if not _MODULE.match(module):
         raise ConfigError(f"{where}.module", f"{module!r} is not a module name (like 'pkg.train')")
@@ -255,7 +241,7 @@ def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str
 def _job_name(template: str, point: dict[str, str], index: int, repeat: int) -> str:
     """The template's placeholders filled in, or, with none, the template with a
     suffix per sweep value and repeat: mlp-lr0.1-bs32-0."""
-    safe = {key: _NOT_IN_NAMES.sub("_", value) for key, value in point.items()}
+    safe = {key: name_part(value) for key, value in point.items()}
     if _PLACEHOLDER.search(template):
         return _fill(template, {**safe, "repeat": str(index)})
     parts = [f"{key}{value}" for key, value in safe.items()]
@@ -397,40 +383,7 @@ def _integer(value, where: str, minimum: int | None = 1) -> int:
     return value
 
 
-def _boolean(value, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(where, f"expected true or false, got {_kind(value)}")
-    return value
-
-
-def _size(value, where: str) -> int | float:
-    """A `parse_size` text or byte count, or a fraction of the device like 0.8."""
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ConfigError(
-            where, f"expected a size like '2GiB', '512MB', '80%' or 0.8, got {_kind(value)}"
-        )
-    try:
-        return parse_size(value)
-    except ValueError as err:
-        raise ConfigError(where, str(err)) from None
-
-
-def _kind(value) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float)):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the string {value!r}" if value else "an empty string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
+_kind = describe
 
 
 # ----------------------------------------------------------------------------- writing
@@ -448,24 +401,23 @@ def _represent_list(dumper: yaml.SafeDumper, items: list):
 _RecipeDumper.add_representer(list, _represent_list)
 
 
-def _dump_option(value):
-    return _percent(value) if isinstance(value, float) else value
+def _dump_value(f, value):
+    """A field's value as a recipe writes it: a fraction of the device as a percentage."""
+    return _percent(value) if f.metadata["kind"] == "size" and isinstance(value, float) else value
 
 
 def _dump_job(job: JobSpec) -> dict:
+    """Every recipe key of the job; paths absolute, so the dump runs from anywhere."""
+    fields = {f.name: _dump_value(f, getattr(job, f.name)) for f in options_of(JobSpec)}
+    for key in ("script", "cwd"):
+        if fields[key] is not None:
+            fields[key] = os.path.abspath(fields[key])
     if job.script is not None:
-        target = {"script": os.path.abspath(job.script)}
+        del fields["module"]
     else:
-        target = {"module": job.module}
-    return {
-        "name": job.name,
-        **target,
-        "args": list(job.args),
-        "env": dict(job.env),
-        "cwd": os.path.abspath(job.cwd) if job.cwd is not None else None,
-        "priority": job.priority,
-        "memory_limit": _dump_option(job.memory_limit),
-    }
+        del fields["script"]
+    fields["args"], fields["env"] = list(job.args), dict(job.env)
+    return fields
 
 
 def _percent(fraction: float) -> str | float:
