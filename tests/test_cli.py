@@ -79,6 +79,20 @@ def test_options_become_config_fields():
     assert config(A).resolved_policy == "concurrent"
 
 
+def test_timeout_retries_and_halt_on_the_command_line():
+    cfg = config("--timeout", "1h30m", "--retries", "2", "--halt", "soon", "--grace-period", "0", A)
+    assert (cfg.timeout, cfg.retries, cfg.halt, cfg.grace_period_s) == (5400.0, 2, "soon", 0.0)
+    assert (config(A).timeout, config(A).retries, config(A).halt) == (None, 0, "never")
+
+
+def test_repeat_runs_each_job_n_times_named_as_a_recipe_names_them(recipe):
+    cfg = config("-n", "3", A, "--lr", "1", ":", B)
+    assert [j.name for j in cfg.jobs] == [f"train-{i}" for i in range(3)] + [f"train-2-{i}" for i in range(3)]
+    assert [j.args for j in cfg.jobs[:3]] == [["--lr", "1"]] * 3 and cfg.jobs[0].args is not cfg.jobs[1].args
+    assert [j.name for j in config(str(recipe), "--repeat", "2").jobs] == ["train-0", "train-1"]
+    assert [j.name for j in config("-n", "1", A).jobs] == ["train"]
+
+
 def test_recipe_by_suffix_or_flag_with_options_overriding_defaults(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"defaults: {{policy: sequential, quiet: true}}\njobs:\n  - script: {A}\n  - script: {NO_GUARD}\n")
@@ -98,6 +112,12 @@ def test_recipe_by_suffix_or_flag_with_options_overriding_defaults(tmp_path):
         (["--policy", "fast", A], "invalid choice"),
         (["--bogus", A], "unrecognized arguments"),
         ([], "no job given"),
+        (["--halt", "sooon", A], "invalid choice: 'sooon' (choose from 'never', 'soon', 'now') (did you mean soon?)"),
+        (["--timeout", "soon", A], "--timeout: not a duration: 'soon'"),
+        (["--retries", "-1", A], "--retries: must be at least 0, got -1"),
+        (["--retries", "x", A], "argument --retries: invalid int value: 'x'"),
+        (["-n", "0", A], "--repeat: must be at least 1, got 0"),
+        (["-n", "5001", A, ":", B], "--repeat: 2 job(s) 5001 times is 10002 jobs; one run holds at most 10000"),
         (["-c", "r.yaml", A], "nothing but wwrun's options may follow it"),
         (["--dryrun", A], "unrecognized arguments: --dryrun (did you mean --dry-run?)"),
         (["--policy", "concurrent", "--trace", "t.json", A], "trace: needs the waterwave policy, not concurrent"),

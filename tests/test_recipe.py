@@ -382,6 +382,27 @@ ERRORS = {
     "reserved sweep key": (
         "jobs: [{script: train.py, args: '{repeat}', sweep: {grid: {repeat: [1]}}}]",
         "jobs[0].sweep.grid.repeat: 'repeat' is reserved for the repeat index"),
+    "job timeout": (
+        "jobs: [{script: train.py, timeout: soon}]",
+        "jobs[0].timeout: not a duration: 'soon' (try '90s', '30m' or '1h30m')"),
+    "job retries": (
+        "jobs: [{script: train.py, retries: -1}]",
+        "jobs[0].retries: must be at least 0, got -1"),
+    "job stdin": (
+        "jobs: [{script: train.py, stdin: 1}]",
+        "jobs[0].stdin: expected true or false, got the number 1"),
+    "two jobs read stdin": (
+        "jobs: [{script: train.py, stdin: true}, {script: train.py, name: b, stdin: true}]",
+        "jobs: at most one job may read stdin"),
+    "run timeout": (
+        "defaults: {timeout: 0}\njobs: [{script: train.py}]",
+        "defaults.timeout: a duration must be positive, got 0"),
+    "halt typo": (
+        "defaults: {halt: sooon}\njobs: [{script: train.py}]",
+        "defaults.halt: 'sooon' is not one of never, soon, now (did you mean 'soon'?)"),
+    "grace period": (
+        "defaults: {grace_period_s: -1}\njobs: [{script: train.py}]",
+        "defaults.grace_period_s: a duration must be 0 or more, got -1"),
     "not a mapping": (
         "- script: train.py",
         "expected a mapping with 'jobs:' and optionally 'defaults:', got a list"),

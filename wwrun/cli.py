@@ -21,7 +21,9 @@ import threading
 from pathlib import Path
 
 from wwrun import __version__
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, shorten
+from wwrun.config import (
+    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, repeat_jobs, shorten,
+)
 
 _SEPARATOR = ":"
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -32,12 +34,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"wwrun: error: {one_line(message)}{self._did_you_mean(message)} (see wwrun --help)\n")
 
     def _did_you_mean(self, message: str) -> str:
-        unknown = re.match(r"unrecognized arguments: (-\S+)", message)
-        if not unknown:
+        """' (did you mean --x?)' for a misspelled flag or choice."""
+        if unknown := re.match(r"unrecognized arguments: (-\S+)", message):
+            word = unknown.group(1).split("=", 1)[0]
+            candidates = [option for option in self._option_string_actions if option.startswith("--")]
+        elif choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            word, candidates = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+        else:
             return ""
-        flag = unknown.group(1).split("=", 1)[0]
-        flags = [option for option in self._option_string_actions if option.startswith("--")]
-        match = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+        match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
         return f" (did you mean {match[0]}?)" if match else ""
 
 
@@ -68,6 +73,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         else:
             add(flag, dest=f.name, choices=meta["choices"], metavar=meta["metavar"], help=meta["help"],
                 type=int if meta["kind"] == "count" else str)
+    add("-n", "--repeat", type=int, metavar="N", help="run each job N times (named job-0, job-1, ...), as a recipe's repeat")
     add("--dry-run", action="store_true", help="print the resolved jobs as a recipe and run nothing")
     add("--version", action="version", version=f"wwrun {__version__}")
     add("-c", "--recipe", metavar="FILE", help="read jobs and defaults from a YAML recipe")
@@ -92,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Translate parsed arguments into a LaunchConfig (raises ConfigError)."""
+    config = _config_from_args(args)
+    if args.repeat is not None:
+        config = config.replace(jobs=repeat_jobs(config.jobs, args.repeat))
+    return config
+
+
+def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
     from wwrun.recipe import load_recipe
 
     command = list(args.command)
@@ -165,7 +178,7 @@ def _unique(base: str, used: set[str]) -> str:
 
 def _as_flag(err: ConfigError) -> ConfigError:
     """An error about an option, named as the flag the user typed: --memory-limit."""
-    flags = {f.name: flag_of(f) for f in options()}
+    flags = {f.name: flag_of(f) for f in options()} | {"repeat": "--repeat"}
     return ConfigError(flags[err.where], err.reason) if flags.get(err.where) else err
 
 

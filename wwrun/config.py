@@ -27,7 +27,8 @@ HALTS = ("never", "soon", "now")
 _NAME_CHARS = "A-Za-z0-9._=+,-"
 _NAME_OK = re.compile(rf"^[A-Za-z0-9][{_NAME_CHARS}]*$")
 _NOT_IN_NAMES = re.compile(rf"[^{_NAME_CHARS}]")
-MAX_NAME_LENGTH = 100  # a folder name may hold 255 bytes; room is left for suffixes
+MAX_NAME_LENGTH = 100  # a folder name may hold 255 bytes
+_DERIVED_NAME_LENGTH = 64  # a name made from a file's name: room for -2, -lr0.1-0, ...
 
 # What one run may hold. Jobs are threads of one process: past a few thousand the
 # process runs out of threads and memory for their stacks long before anything useful.
@@ -81,7 +82,7 @@ def name_part(text: str) -> str:
 
 def name_from(text: str) -> str:
     """A valid job name from a script's stem or a module's name."""
-    return name_part(text).lstrip("._=+,-")[:MAX_NAME_LENGTH] or "job"
+    return name_part(text).lstrip("._=+,-")[:_DERIVED_NAME_LENGTH] or "job"
 
 
 def shorten(text: str, limit: int = 60) -> str:
@@ -351,6 +352,23 @@ class LaunchConfig:
 
     def replace(self, **changes) -> LaunchConfig:
         return dataclasses.replace(self, **changes)
+
+
+def repeat_jobs(jobs: list[JobSpec], times: int) -> list[JobSpec]:
+    """Each job `times` times, named as a recipe's `repeat` names them: a-0, a-1, ..."""
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+        raise ConfigError("repeat", f"must be at least 1, got {times!r}")
+    if len(jobs) * times > MAX_JOBS:
+        raise ConfigError(
+            "repeat", f"{len(jobs)} job(s) {times} times is {len(jobs) * times} jobs; one run holds at most {MAX_JOBS}"
+        )
+    if times == 1:
+        return list(jobs)
+    return [
+        dataclasses.replace(job, name=f"{job.name}-{i}", args=list(job.args), env=dict(job.env))
+        for job in jobs
+        for i in range(times)
+    ]
 
 
 def preflight(config: LaunchConfig) -> None:
