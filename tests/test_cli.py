@@ -214,3 +214,83 @@ def test_quickstart_recipe_end_to_end(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stderr.count("succeeded") >= 3
+
+
+# ----------------------------------------------------------------------------- bad input (issue 12 §8)
+
+
+def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """Each: argv, and what its one error line says. Every one is refused before a job runs."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 5000)
+    repeated = tmp_path / "repeated.yaml"
+    repeated.write_text(f"jobs:\n  - script: {NO_GUARD}\n    repeat: 1000000\n")
+    grid = tmp_path / "grid.yaml"
+    lists = "\n".join(f"        {key}: {list(range(1000))}" for key in "abcd")
+    grid.write_text(f"jobs:\n  - script: {NO_GUARD}\n    args: '{{a}} {{b}} {{c}} {{d}}'\n    sweep:\n      grid:\n{lists}\n")
+    long_name = tmp_path / "long_name.yaml"
+    long_name.write_text(f"jobs:\n  - script: {NO_GUARD}\n    name: {'n' * 5000}\n")
+    return {
+        "size overflow": (["--memory-limit", "99999999999999999999999GiB", NO_GUARD],
+                          "--memory-limit: 99999999999999999999999GiB is more memory than any machine has"),
+        "size of 400 digits": (["--memory-limit", "9" * 400 + "GiB", NO_GUARD], "more memory than any machine has"),
+        "log dir is a file": (["--log-dir", str(a_file), NO_GUARD], "is a file, not a folder"),
+        "log dir under a file": (["--log-dir", str(a_file / "logs"), NO_GUARD], "which is a file, not a folder"),
+        "log dir in /proc": (["--log-dir", "/proc/wwrun_logs", NO_GUARD], "--log-dir: cannot write logs in /proc/wwrun_logs"),
+        "report in a missing folder": (["--report", str(tmp_path / "no" / "r.json"), NO_GUARD],
+                                       "--report: the folder of"),
+        "events in a missing folder": (["--events", str(tmp_path / "no" / "e.jsonl"), NO_GUARD], "--events: the folder of"),
+        "report onto a folder": (["--report", str(tmp_path), NO_GUARD], "is a folder; give a file name"),
+        "trace in /proc": (["--trace", "/proc/t.json", NO_GUARD], "--trace: cannot write /proc/t.json"),
+        "long script path": (["a" * 5000 + ".py"], "no such script: aaaa"),
+        "long recipe path": (["a" * 5000 + ".yaml"], "cannot read"),
+        "long job name": ([str(long_name)], "jobs[0].name: 'nnnn"),
+        "5000 nested [": ([str(deep)], "bad YAML: nested too deeply"),
+        "repeat 1000000": ([str(repeated)], "jobs[0]: expands into 1000000 jobs (repeat 1000000): one run holds at most 10000"),
+        "1000^4 grid": ([str(grid)], "expands into 1000000000000 jobs (1000 a x 1000 b x 1000 c x 1000 d)"),
+        "-n 1000000": (["-n", "1000000", NO_GUARD], "--repeat: 1 job(s) 1000000 times is 1000000 jobs"),
+    }
+
+
+BAD_INPUTS = [
+    "size overflow", "size of 400 digits", "log dir is a file", "log dir under a file", "log dir in /proc",
+    "report in a missing folder", "events in a missing folder", "report onto a folder", "trace in /proc",
+    "long script path", "long recipe path", "long job name", "5000 nested [", "repeat 1000000", "1000^4 grid",
+    "-n 1000000",
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_refused_before_anything_runs(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cases = bad_inputs(tmp_path)
+    assert sorted(cases) == sorted(BAD_INPUTS)
+    argv, message = cases[case]
+    listing = sorted(tmp_path.rglob("*"))
+    code, err = run_main(argv + ["--log-dir", str(tmp_path / "logs")] if "--log-dir" not in argv else argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("wwrun: error: "), err
+    assert message in err, err
+    assert "Traceback" not in err and len(err) < 400
+    assert sorted(tmp_path.rglob("*")) == listing  # no log folder, no probe left behind
+
+
+def test_checking_output_paths_leaves_nothing_behind(tmp_path, capsys):
+    existing = tmp_path / "old_report.json"
+    existing.write_text("kept")
+    argv = ["--dry-run", "--log-dir", str(tmp_path / "a" / "b"), "--report", str(existing),
+            "--events", str(tmp_path / "e.jsonl"), "--trace", str(tmp_path / "t.json"), NO_GUARD]
+    assert main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old_report.json"]
+    assert existing.read_text() == "kept"
+
+
+def test_many_jobs_run_a_bounded_number_at_once():
+    from wwrun.config import DEFAULT_MAX_CONCURRENT
+
+    cfg = config("-n", "5000", NO_GUARD)
+    assert len(cfg.jobs) == 5000 and cfg.max_concurrent is None
+    assert 1 <= cfg.concurrency <= DEFAULT_MAX_CONCURRENT
+    assert config("-n", "5000", "--max-concurrent", "3000", NO_GUARD).concurrency == 3000
+    assert config("-n", "4", "--policy", "sequential", NO_GUARD).concurrency == 1

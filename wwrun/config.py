@@ -13,6 +13,7 @@ import difflib
 import importlib.util
 import os
 import re
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ _DERIVED_NAME_LENGTH = 64  # a name made from a file's name: room for -2, -lr0.1
 MAX_JOBS = 10_000
 # Jobs running at once when `max_concurrent` is not given (the rest wait for a slot):
 # each running job is a thread with its own stack and, under torch, its own OpenMP
-# team; 256 stays far below Linux's default limits (ulimit -u, threads-max).
+# team, and holds 6 file descriptors (two pipes, two logs). 256 stays far below
+# Linux's default thread limits; `default_max_concurrent` also keeps to `ulimit -n`.
 DEFAULT_MAX_CONCURRENT = 256
+_FDS_PER_JOB = 8  # 6, and room for the job's own files
 
 _UNITS = {
     "": 1, "b": 1,
@@ -178,6 +181,19 @@ def format_size(nbytes: int | float | None) -> str:
             return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
         value /= 1024
     return f"{value:.1f}TiB"
+
+
+def default_max_concurrent() -> int:
+    """Jobs that may run at once when `max_concurrent` is not given: DEFAULT_MAX_CONCURRENT,
+    or fewer where this process's limits on threads or open files are lower."""
+    import resource
+
+    limit = DEFAULT_MAX_CONCURRENT
+    for which, per_job in ((resource.RLIMIT_NOFILE, _FDS_PER_JOB), (resource.RLIMIT_NPROC, 4)):
+        soft, _ = resource.getrlimit(which)
+        if soft != resource.RLIM_INFINITY:
+            limit = min(limit, (soft - 64) // per_job)
+    return max(1, limit)
 
 
 def new_run_id() -> str:
@@ -331,10 +347,10 @@ class LaunchConfig:
     @property
     def concurrency(self) -> int:
         """How many jobs may run at once: 1 under the sequential policy, else
-        `max_concurrent`, or every job up to DEFAULT_MAX_CONCURRENT."""
+        `max_concurrent`, or every job up to `default_max_concurrent()`."""
         if self.resolved_policy == "sequential":
             return 1
-        return min(self.max_concurrent or DEFAULT_MAX_CONCURRENT, len(self.jobs))
+        return min(self.max_concurrent or default_max_concurrent(), len(self.jobs))
 
     @property
     def resolved_policy(self) -> str:
@@ -377,6 +393,11 @@ def preflight(config: LaunchConfig) -> None:
     never refused after its jobs ran. Raises ConfigError.
     """
     _check_observation(config)
+    _check_log_dir(config.log_dir)
+    for name in ("report", "events", "trace", "memory_plot"):
+        path = getattr(config, name)
+        if path is not None and not (name == "events" and path == "-"):
+            _check_output_file(name, path)
     if any(job.memory_limit is not None for job in config.jobs) and _device_of(config) == "cpu":
         refuse_job_memory_limits(config, "on the CPU")
 
@@ -400,6 +421,43 @@ def _device_of(config: LaunchConfig) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """The log folder exists or can be made, and takes files: tried by making (and
+    removing) a folder in it or in its nearest existing parent, which leaves nothing."""
+    path = os.path.abspath(log_dir)
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    shown = shorten(log_dir)
+    if not os.path.isdir(existing):
+        what = "is" if existing == path else f"is under {shorten(existing)}, which is"
+        raise ConfigError("log_dir", f"{shown} {what} a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".wwrun-check-", dir=existing))
+    except OSError as err:
+        raise ConfigError("log_dir", f"cannot write logs in {shown}: {err.strerror}") from None
+
+
+def _check_output_file(name: str, target: str) -> None:
+    """An output written after the run can be written now: its folder exists and
+    takes the file (tried by opening it, removed again if it was not there)."""
+    path = os.path.abspath(target)
+    shown = shorten(target)
+    if os.path.isdir(path):
+        raise ConfigError(name, f"{shown} is a folder; give a file name")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ConfigError(name, f"the folder of {shown} does not exist; create it first")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ConfigError(name, f"cannot write {shown}: {err.strerror}") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _check_observation(config: LaunchConfig) -> None:

@@ -491,9 +491,7 @@ class _Runner:
     @property
     def concurrency(self) -> int:
         """How many jobs may run at once."""
-        if self.policy == "sequential":
-            return 1
-        return min(self.config.max_concurrent or len(self.jobs), len(self.jobs))
+        return self.config.concurrency
 
     def _share_cpu_threads(self) -> Callable[[], None]:
         """Divide torch's intra-op threads among the jobs that run at once.

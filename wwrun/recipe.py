@@ -30,6 +30,7 @@ anything starts).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import shlex
@@ -38,7 +39,8 @@ from pathlib import Path
 import yaml
 
 from wwrun.config import (
-    ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
+    MAX_JOBS, ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
+    shorten,
 )
 from wwrun.config import options as options_of
 
@@ -60,7 +62,7 @@ def load_recipe(path: str | os.PathLike) -> LaunchConfig:
 
     Raises `ConfigError` with a one-line message, `<file>: <key path>: <problem>`.
     """
-    label = os.fspath(path)
+    label = shorten(os.fspath(path), 200)
     try:
         data = _read_yaml(Path(path))
         return _config_from(data, Path(os.path.abspath(path)))
@@ -120,8 +122,12 @@ def _read_yaml(path: Path):
         raise ConfigError("", "not a text file (expected UTF-8 YAML)") from None
     except OSError as err:
         raise ConfigError("", f"cannot read: {err.strerror}") from None
+    except ValueError:  # a NUL in the path
+        raise ConfigError("", "not a usable path") from None
     try:
         return yaml.load(text, Loader=_RecipeLoader)
+    except RecursionError:
+        raise ConfigError("", "bad YAML: nested too deeply") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -153,7 +159,7 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
     origin_of: dict[str, str] = {}  # job name -> which entry (and sweep point) made it
     for index, entry in enumerate(entries):
         where = f"jobs[{index}]"
-        for job, origin in _expand_job(entry, where, recipe.parent):
+        for job, origin in _expand_job(entry, where, recipe.parent, room=MAX_JOBS - len(jobs)):
             if job.name in origin_of:
                 same_entry = origin_of[job.name].startswith(f"{where} ")
                 hint = (
@@ -180,8 +186,9 @@ def _read_options(defaults, where: str) -> dict:
     return {key: value for key, value in defaults.items() if value is not None}
 
 
-def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
-    """The jobs one `jobs:` entry stands for, each with a description of its origin."""
+def _expand_job(entry, where: str, folder: Path, room: int) -> list[tuple[JobSpec, str]]:
+    """The jobs one `jobs:` entry stands for, each with a description of its origin;
+    more than `room` is an error, found before any job is made."""
     if not isinstance(entry, dict):
         raise ConfigError(where, f"expected a mapping (script:, args:, ...), got {_kind(entry)}")
     _check_keys(entry, JOB_KEYS, where)
@@ -192,7 +199,7 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     if "cwd" in given:
         cwd = _absolute(folder, _text(given["cwd"], f"{where}.cwd"))
         if not os.path.isdir(cwd):
-            raise ConfigError(f"{where}.cwd", f"no such folder: {cwd}")
+            raise ConfigError(f"{where}.cwd", f"no such folder: {shorten(cwd, 200)}")
     template = _scalar(given["name"], f"{where}.name") if "name" in given else default_name
     args = _read_args(given.get("args", []), f"{where}.args")
     env = _read_env(given.get("env", {}), f"{where}.env")
@@ -201,11 +208,20 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     for key in ("name", "script", "module", "args", "env"):
         fields.pop(key, None)
     repeat = _integer(given.get("repeat", 1), f"{where}.repeat")
-    points = _read_sweep(given.get("sweep"), f"{where}.sweep")
-    _check_placeholders(template, args, points[0], given.get("sweep"), where)
+    grid, zipped = _read_sweep(given.get("sweep"), f"{where}.sweep")
+    count = _sweep_size(grid, zipped) * repeat
+    if count > room:
+        made_of = [f"{len(values)} {key}" for key, values in grid.items()]
+        made_of += [f"{len(next(iter(zipped.values())))} zip rows"] if zipped else []
+        made_of += [f"repeat {repeat}"] if repeat > 1 else []
+        before = f"; {MAX_JOBS - room} come before it" if room < MAX_JOBS else ""
+        raise ConfigError(
+            where, f"expands into {count} jobs ({' x '.join(made_of)}){before}: one run holds at most {MAX_JOBS}"
+        )
+    _check_placeholders(template, args, [*grid, *zipped], given.get("sweep"), where)
 
     expanded = []
-    for point in points:
+    for point in _sweep_points(grid, zipped):
         for index in range(repeat):
             values = {**point, "repeat": str(index)}
             try:
@@ -230,11 +246,11 @@ def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str
     if "script" in given:
         script = _absolute(folder, _text(given["script"], f"{where}.script"))
         if not os.path.isfile(script):
-            raise ConfigError(f"{where}.script", f"no such file: {script}")
+            raise ConfigError(f"{where}.script", f"no such file: {shorten(script, 200)}")
         return script, None, name_from(Path(script).stem)
     module = _text(given["module"], f"{where}.module")
     if not _MODULE.match(module):
-        raise ConfigError(f"{where}.module", f"{module!r} is not a module name (like 'pkg.train')")
+        raise ConfigError(f"{where}.module", f"{shorten(repr(module))} is not a module name (like 'pkg.train')")
     return None, module, module
 
 
@@ -269,13 +285,10 @@ def _read_env(env, where: str) -> dict[str, str]:
     return {name: _scalar(value, f"{where}.{name}") for name, value in env.items()}
 
 
-def _read_sweep(sweep, where: str) -> list[dict[str, str]]:
-    """Every point of the sweep, `{key: value}`: each grid combination with each zip row.
-
-    No sweep is one point with no keys.
-    """
+def _read_sweep(sweep, where: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The sweep's grid and zip lists, checked; no sweep is two empty mappings."""
     if sweep is None:
-        return [{}]
+        return {}, {}
     if not isinstance(sweep, dict):
         raise ConfigError(where, f"expected a mapping with 'grid:' and/or 'zip:', got {_kind(sweep)}")
     _check_keys(sweep, SWEEP_KEYS, where)
@@ -290,9 +303,22 @@ def _read_sweep(sweep, where: str) -> list[dict[str, str]]:
         lengths = ", ".join(f"{key} has {len(values)}" for key, values in zipped.items())
         raise ConfigError(f"{where}.zip", f"lists of unequal lengths ({lengths}); zip pairs them up")
 
-    grid_points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+    return grid, zipped
+
+
+def _sweep_size(grid: dict[str, list], zipped: dict[str, list]) -> int:
+    """How many points the sweep has, counted without making them."""
+    rows = len(next(iter(zipped.values()))) if zipped else 1
+    return math.prod(len(values) for values in grid.values()) * rows
+
+
+def _sweep_points(grid: dict[str, list], zipped: dict[str, list]):
+    """Every point of the sweep, `{key: value}`: each grid combination with each zip
+    row. No sweep is one point with no keys."""
     zip_rows = [dict(zip(zipped, row)) for row in zip(*zipped.values())] if zipped else [{}]
-    return [{**point, **row} for point in grid_points for row in zip_rows]
+    for combo in itertools.product(*grid.values()):
+        for row in zip_rows:
+            yield {**dict(zip(grid, combo)), **row}
 
 
 def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
@@ -316,8 +342,8 @@ def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
     return result
 
 
-def _check_placeholders(template: str, args: list[str], point: dict, sweep, where: str) -> None:
-    """Every {key} of the name and args has a value, and every sweep key is used in args."""
+def _check_placeholders(template: str, args: list[str], point: list[str], sweep, where: str) -> None:
+    """Every {key} of the name and args has a value, and every sweep key (`point`) is used in args."""
     keys = [*point, "repeat"]
     texts = [(template, f"{where}.name"), *((arg, f"{where}.args[{i}]") for i, arg in enumerate(args))]
     for text, at in texts:
