@@ -141,7 +141,7 @@ def test_every_option_has_a_flag_a_recipe_key_and_a_kind():
 
 def test_job_names():
     assert name_from("train (copy)") == "train__copy_"
-    assert name_from("..x") == "x" and name_from("") == "job" and len(name_from("a" * 5000)) == MAX_NAME_LENGTH
+    assert name_from("..x") == "x" and name_from("") == "job" and len(name_from("a" * 5000)) < MAX_NAME_LENGTH
     with pytest.raises(ConfigError, match="is longer than 100 characters"):
         job("a" * 101)
     with pytest.raises(ConfigError, match="not a valid job name"):

@@ -248,6 +248,26 @@ def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
     assert again.replace(run_id=config.run_id, source=config.source) == config
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(alphabet="{}ab_ -1", max_size=12), max_size=4))
+def test_dump_keeps_arguments_that_look_like_placeholders(tmp_path_factory, args):
+    script = str(Path(__file__).resolve())
+    config = LaunchConfig(jobs=[JobSpec(name="a", script=script, args=args)])
+    path = tmp_path_factory.getbasetemp() / "literal.yaml"
+    path.write_text(dump_recipe(config))
+    assert load_recipe(path).jobs[0].args == args
+
+
+def test_double_braces_are_literal(project):
+    config = load(project, """
+        jobs:
+          - script: train.py
+            args: --lr {lr} --note {{lr}}
+            sweep: {grid: {lr: [1]}}
+    """)
+    assert config.jobs[0].args == ["--lr", "1", "--note", "{lr}"]
+
+
 def test_dump_makes_paths_absolute(project, monkeypatch):
     monkeypatch.chdir(project)
     config = LaunchConfig(jobs=[JobSpec(name="a", script="train.py", cwd="runs")])

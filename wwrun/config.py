@@ -29,6 +29,7 @@ _NAME_CHARS = "A-Za-z0-9._=+,-"
 _NAME_OK = re.compile(rf"^[A-Za-z0-9][{_NAME_CHARS}]*$")
 _NOT_IN_NAMES = re.compile(rf"[^{_NAME_CHARS}]")
 MAX_NAME_LENGTH = 100  # a folder name may hold 255 bytes
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _DERIVED_NAME_LENGTH = 64  # a name made from a file's name: room for -2, -lr0.1-0, ...
 
 # What one run may hold. Jobs are threads of one process: past a few thousand the
@@ -221,7 +222,7 @@ class JobSpec:
     """Unique within a run; names the job's log folder and prefixes its output."""
     script: str | None = option(None, kind="text", help="the training script")
     """Path of the training script (absolute once resolved). Exclusive with `module`."""
-    module: str | None = option(None, kind="text", help="a module run as python -m")
+    module: str | None = option(None, kind="module", help="a module run as python -m")
     """Module run as `python -m module`. Exclusive with `script`."""
     args: list[str] = option(kind="args", help="the script's arguments", default_factory=list)
     """The script's command-line arguments (its `sys.argv[1:]`)."""
@@ -547,6 +548,9 @@ def _check_field(name: str, meta, value):
             )
         if len(value) > MAX_NAME_LENGTH:
             raise ConfigError(name, f"{shorten(repr(value))} is longer than {MAX_NAME_LENGTH} characters")
+    elif kind == "module":
+        if not isinstance(value, str) or not _MODULE.match(value):
+            raise ConfigError(name, f"{shorten(repr(value))} is not a module name (like 'pkg.train')")
     elif kind == "args":
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ConfigError(name, "expected a list of strings")

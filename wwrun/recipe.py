@@ -12,6 +12,10 @@
           zip: {seed: [0, 1]}       # lists of equal length, taken pairwise
         repeat: 2                   # each point twice; {repeat} is 0, then 1
 
+`{key}` in args or name is a sweep value (or the repeat index); `{{key}}` is the
+literal text `{key}`. A sweep and a repeat may make at most MAX_JOBS jobs in all,
+counted before any is made.
+
 One entry expands into one job per sweep point and repeat. `load_recipe` checks
 everything before anything runs; each problem is one `ConfigError` line naming the
 file, the key path and, for a typo, the closest valid key:
@@ -52,9 +56,11 @@ JOB_KEYS = (*JOB_FIELDS, "repeat", "sweep")
 SWEEP_KEYS = ("grid", "zip")
 
 # `{key}` fills in a sweep value; any other brace is left as written.
+# `{{key}}` is a literal `{key}` (as in Python's format strings): how the dump writes
+# an argument that holds one, so that it reads back as written.
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PLACEHOLDER_OR_ESCAPED = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SWEEP_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def load_recipe(path: str | os.PathLike) -> LaunchConfig:
@@ -248,17 +254,15 @@ def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str
         if not os.path.isfile(script):
             raise ConfigError(f"{where}.script", f"no such file: {shorten(script, 200)}")
         return script, None, name_from(Path(script).stem)
-    module = _text(given["module"], f"{where}.module")
-    if not _MODULE.match(module):
-        raise ConfigError(f"{where}.module", f"{shorten(repr(module))} is not a module name (like 'pkg.train')")
-    return None, module, module
+    module = _text(given["module"], f"{where}.module")  # JobSpec checks it is a module name
+    return None, module, name_from(module)
 
 
 def _job_name(template: str, point: dict[str, str], index: int, repeat: int) -> str:
     """The template's placeholders filled in, or, with none, the template with a
     suffix per sweep value and repeat: mlp-lr0.1-bs32-0."""
     safe = {key: name_part(value) for key, value in point.items()}
-    if _PLACEHOLDER.search(template):
+    if _placeholders(template):
         return _fill(template, {**safe, "repeat": str(index)})
     parts = [f"{key}{value}" for key, value in safe.items()]
     parts += [str(index)] if repeat > 1 else []
@@ -347,13 +351,13 @@ def _check_placeholders(template: str, args: list[str], point: list[str], sweep,
     keys = [*point, "repeat"]
     texts = [(template, f"{where}.name"), *((arg, f"{where}.args[{i}]") for i, arg in enumerate(args))]
     for text, at in texts:
-        for key in _PLACEHOLDER.findall(text):
+        for key in _placeholders(text):
             if key not in keys:
                 known = closest(key, keys) or (
                     f" (the sweep gives {', '.join(point)})" if point else " (this job has no sweep)"
                 )
                 raise ConfigError(at, f"placeholder {{{key}}} has no sweep value{known}")
-    used = {key for arg in args for key in _PLACEHOLDER.findall(arg)}
+    used = {key for arg in args for key in _placeholders(arg)}
     for key in point:
         if key not in used:
             part = "grid" if key in (sweep.get("grid") or {}) else "zip"
@@ -363,8 +367,22 @@ def _check_placeholders(template: str, args: list[str], point: list[str], sweep,
             )
 
 
+def _placeholders(text: str) -> list[str]:
+    """The keys of `text`'s placeholders, escaped ones left out."""
+    return [match.group(2) for match in _PLACEHOLDER_OR_ESCAPED.finditer(text) if match.group(2)]
+
+
 def _fill(text: str, values: dict[str, str]) -> str:
-    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
+    """`text` with its placeholders filled in and `{{key}}` made `{key}`."""
+    def one(match: re.Match) -> str:
+        return "{" + match.group(1) + "}" if match.group(1) else values[match.group(2)]
+
+    return _PLACEHOLDER_OR_ESCAPED.sub(one, text)
+
+
+def _escape(text: str) -> str:
+    """`text` as a recipe argument that `_fill` gives back unchanged."""
+    return _PLACEHOLDER.sub(r"{{\1}}", text)
 
 
 def _check_keys(mapping: dict, valid: tuple[str, ...], where: str) -> None:
@@ -442,7 +460,7 @@ def _dump_job(job: JobSpec) -> dict:
         del fields["module"]
     else:
         del fields["script"]
-    fields["args"], fields["env"] = list(job.args), dict(job.env)
+    fields["args"], fields["env"] = [_escape(arg) for arg in job.args], dict(job.env)
     return fields
 
 
