@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wwrun import isolation
+from wwrun import isolation, libstate
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, resolve_size
 from wwrun.output import JobOutput, Pump
 
@@ -155,6 +155,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
     from wwrun.display import make_display
 
     isolation.install()
+    libstate.install()
     return _Runner(config, display or make_display(config)).run()
 
 
