@@ -186,3 +186,19 @@ def test_each_job_runs_on_its_own_cuda_stream(tmp_path):
     streams = {line.split()[0] for line in lines}
     assert len(streams) == 2  # two different streams
     assert all("default=False ok=True" in line for line in lines)
+
+
+def test_pyplot_figures_are_per_job(tmp_path):
+    pytest.importorskip("matplotlib")
+    rendezvous = tmp_path / "drawn"
+    rendezvous.mkdir()
+    names = ["p", "q", "r"]
+    result = run(
+        tmp_path,
+        *(job(n, "pyplot_figures.py", rendezvous, len(names), n, env={"MPLBACKEND": "Agg"}) for n in names),
+    )
+    assert result.exit_code == 0, result.to_dict()
+    for name in names:
+        # Each job numbers its figures from 1, as when run alone, and draws only into its own.
+        assert "fignums=[1] own=True" in log(result, name)
+        assert "after_close=[]" in log(result, name)

@@ -3,6 +3,7 @@
     wwrun [options] script.py [args...] [: script.py [args...]]...
     wwrun [options] -m module [args...] [: -m module [args...]]...
     wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
+    wwrun doctor [--full]                    what wwrun will use here, and whether it works
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
 belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
@@ -183,6 +184,11 @@ def _as_flag(err: ConfigError) -> ConfigError:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:
+        from wwrun import doctor
+
+        return doctor.main(argv[1:])
     from wwrun.launcher import EXIT_INTERRUPTED, launch
     from wwrun.recipe import dump_recipe
 

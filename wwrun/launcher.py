@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wwrun import isolation
+from wwrun import isolation, libstate
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size
 from wwrun.output import JobOutput, Pump
 
@@ -156,6 +156,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
 
     preflight(config)  # every check that can be made before anything starts
     isolation.install()
+    libstate.install()
     return _Runner(config, display or make_display(config)).run()
 
 
