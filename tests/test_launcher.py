@@ -325,3 +325,35 @@ def test_a_memory_limit_alone_selects_waterwave():
     one = [JobSpec(name="x", script=ENDING)]
     assert LaunchConfig(jobs=one).resolved_policy == "concurrent"
     assert LaunchConfig(jobs=one, memory_limit="1GiB").resolved_policy == "waterwave"
+
+
+def _launch_bounded(tmp_path, *jobs, limit=120, **options):
+    """Run in a helper thread so that a launcher that would hang fails the test."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(run(tmp_path, *jobs, **options)), daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), "the launcher is still waiting"
+    return results[0]
+
+
+def test_a_job_that_closed_its_stderr_and_failed_still_ends(tmp_path):
+    # Writing the traceback into the job's closed stderr raised in the job's thread,
+    # which died without reporting, and the launcher waited for it forever.
+    script = tmp_path / "closer.py"
+    script.write_text("import sys\nsys.stderr.close()\nraise RuntimeError('after closing stderr')\n")
+    result = _launch_bounded(tmp_path, JobSpec(name="closer", script=str(script)), ending("fine"))
+    closer, fine = result.jobs
+    assert (closer.state, closer.exit_code) == (JobState.FAILED, 1)
+    assert closer.error == "RuntimeError: after closing stderr"
+    assert fine.state == JobState.SUCCEEDED
+
+
+def test_the_launcher_never_waits_on_a_thread_that_has_ended(tmp_path, monkeypatch):
+    from wwrun import launcher
+
+    # A job thread that ends without a word (the worst case: no state, no notify).
+    monkeypatch.setattr(launcher._Runner, "_job_main", lambda self, job: None)
+    result = _launch_bounded(tmp_path, ending("silent"))
+    assert result.jobs[0].state == JobState.FAILED
+    assert "ended without reporting" in result.jobs[0].error

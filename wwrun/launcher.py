@@ -265,6 +265,7 @@ class _Runner:
         waiting = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
         with self._cond:
             while True:
+                self._reap_dead_threads()
                 running = [j for j in self.jobs if j.result.state == JobState.RUNNING]
                 if self._interrupted_at is not None:
                     for job in waiting:
@@ -281,6 +282,13 @@ class _Runner:
                 if not running and not waiting:
                     return
                 self._cond.wait(0.25)
+
+    def _reap_dead_threads(self) -> None:
+        """A job whose thread has ended without reporting is finished here: the
+        launcher never waits on a thread that is gone."""
+        for job in self.jobs:
+            if job.thread is not None and not job.thread.is_alive() and not job.result.state.is_final:
+                self._finish(job, 1, "the job's thread ended without reporting how (a wwrun bug)")
 
     def _start(self, job: _Job, pump: Pump) -> None:
         spec = job.spec
@@ -318,6 +326,21 @@ class _Runner:
     # -- inside the job's thread ----------------------------------------------------
 
     def _job_main(self, job: _Job) -> None:
+        code, error = 1, "wwrun failed to run the job"
+        try:
+            code, error = self._run_job(job)
+        except BaseException as exc:  # noqa: BLE001 - a bug of ours, or a late async interrupt
+            code, error = 1, f"wwrun: {type(exc).__name__}: {exc}"
+        finally:
+            # Whatever happened above, the launcher hears that this job ended: it
+            # waits on the job's state, and a thread that dies silently would leave
+            # it waiting forever (issue 11).
+            with self._cond:
+                if not job.result.state.is_final:
+                    self._finish(job, code, error)
+                self._cond.notify_all()
+
+    def _run_job(self, job: _Job) -> tuple[int, str | None]:
         ctx = job.context
         code, error = 0, None
         try:
@@ -330,9 +353,9 @@ class _Runner:
             code, error = _outcome(exc, ctx)
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
-        if self.engine is not None:  # hands back every byte it reserved, wakes the others
-            self.engine.job_finished(job.spec.name)
         try:
+            if self.engine is not None:  # hands back every byte it reserved, wakes the others
+                self.engine.job_finished(job.spec.name)
             isolation.run_atexit_handlers(ctx)
             _join_job_threads(ctx)
         except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
@@ -346,11 +369,8 @@ class _Runner:
                     pass
             ctx.stdin.close()
             isolation.leave()
-        self._release_device(job)
-        with self._cond:
-            if not job.result.state.is_final:
-                self._finish(job, code, error)
-            self._cond.notify_all()
+            self._release_device(job)
+        return code, error
 
     def _install_allocator(self) -> str | None:
         """On CUDA, the memory-flow allocator (built at first use), before any CUDA
@@ -634,16 +654,24 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext) -> tuple[int, str | 
             return 0, None
         if isinstance(code, int):
             return code, None if code == 0 else f"exited with code {code}"
-        print(code, file=ctx.stderr)
+        _write_quietly(ctx.stderr, f"{code}\n")
         return 1, str(code)
     if isinstance(exc, isolation.JobExit):
         return exc.code, None if exc.code == 0 else f"os._exit({exc.code})"
     if isinstance(exc, KeyboardInterrupt):
-        ctx.stderr.write("KeyboardInterrupt\n")
+        _write_quietly(ctx.stderr, "KeyboardInterrupt\n")
         return EXIT_INTERRUPTED, "interrupted"
     ctx.traceback = _script_traceback(exc)
-    ctx.stderr.write(ctx.traceback)
+    _write_quietly(ctx.stderr, ctx.traceback)
     return 1, f"{type(exc).__name__}: {exc}"
+
+
+def _write_quietly(stream, text: str) -> None:
+    """Write what Python would print at exit; a job may have closed its own stream."""
+    try:
+        stream.write(text)
+    except (OSError, ValueError):
+        pass
 
 
 def _script_traceback(exc: BaseException) -> str:
@@ -672,8 +700,11 @@ def _write_error_json(job: _Job, code: int, error: str | None) -> None:
         "timestamp": _iso(job.result.ended),
     }
     path = Path(job.result.log_dir) / "error.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError:  # the log folder went away: the report still says it all
+        pass
 
 
 class _EventLog:
