@@ -357,3 +357,19 @@ def test_the_launcher_never_waits_on_a_thread_that_has_ended(tmp_path, monkeypat
     result = _launch_bounded(tmp_path, ending("silent"))
     assert result.jobs[0].state == JobState.FAILED
     assert "ended without reporting" in result.jobs[0].error
+
+
+def test_a_stream_view_collected_in_a_job_leaves_the_job_s_stream_open(tmp_path):
+    # The hang of issue 11: pytest swaps sys.stderr between tests, wwrun wraps the new
+    # one, and the old view, collected later in a job's thread, closed that job's
+    # stderr (IOBase's finalizer calls close()); the job's next write failed.
+    script = tmp_path / "stale.py"
+    script.write_text(
+        "import sys\n"
+        "view = type(sys.stderr)('stderr', sys.__stderr__)\n"
+        "del view\n"
+        "print('still here', file=sys.stderr)\n"
+    )
+    result = _launch_bounded(tmp_path, JobSpec(name="stale", script=str(script)))
+    assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
+    assert (Path(result.jobs[0].log_dir) / "stderr.log").read_text() == "still here\n"
