@@ -373,3 +373,139 @@ def test_a_stream_view_collected_in_a_job_leaves_the_job_s_stream_open(tmp_path)
     result = _launch_bounded(tmp_path, JobSpec(name="stale", script=str(script)))
     assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
     assert (Path(result.jobs[0].log_dir) / "stderr.log").read_text() == "still here\n"
+
+
+# -- issue 11 §3/§5: what sweep users expect ------------------------------------------
+
+FLAKY = str(SCRIPTS / "flaky.py")
+
+
+def flaky(name, counter, succeed_at, how="raise", **fields):
+    return JobSpec(name=name, script=FLAKY, args=[how, str(counter), str(succeed_at)], **fields)
+
+
+def test_every_run_writes_its_report_and_latest_points_at_it(tmp_path, capsys):
+    first = run(tmp_path, ending("a"), quiet=False)
+    second = run(tmp_path, ending("b", "exit3"), quiet=False)
+    err = capsys.readouterr().err
+    assert f"run {first.run_id}: logs in {first.log_dir}" in err  # said when the run starts
+    for result in (first, second):
+        report = json.loads((Path(result.log_dir) / "report.json").read_text())
+        assert report["run"]["run_id"] == result.run_id and report["run"]["state"] == "ended"
+    latest = tmp_path / "logs" / "latest"
+    assert latest.is_symlink() and latest.resolve() == Path(second.log_dir).resolve()
+    assert not (Path(second.log_dir) / "crash.log").exists()  # only after a crash
+
+
+def test_wwrun_show_prints_a_past_run(tmp_path):
+    result = run(tmp_path, ending("fine"), ending("bad", "exit3"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"run {result.run_id} (ended)" in shown.stdout
+    assert "bad" in shown.stdout and "exited with code 3" in shown.stdout
+    assert "root cause: bad (exit code 3)" in shown.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "nope", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_refused_run_leaves_no_log_folder(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--device", "cuda", "--log-dir", str(tmp_path / "logs"), ENDING],
+        capture_output=True, text=True, timeout=60,
+    )
+    if done.returncode == 0:
+        pytest.skip("a CUDA device is present")
+    assert done.returncode == 2
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_job_timeout_ends_that_job_alone_like_gnu_timeout(tmp_path):
+    result = run(tmp_path, ending("slow", "loop", timeout=1), ending("other", delay=0.2), grace_period_s=5)
+    slow, other = result.jobs
+    assert (slow.state, slow.exit_code) == (JobState.FAILED, 124)
+    assert slow.error == "timed out after 1s"
+    assert "got KeyboardInterrupt" in (Path(slow.log_dir) / "stdout.log").read_text()
+    assert other.state == JobState.SUCCEEDED
+    assert result.exit_code == 124 and result.root_cause == "slow"
+
+
+def test_a_job_ignoring_its_timeout_is_abandoned_after_the_grace_period(tmp_path):
+    result = run(tmp_path, ending("stubborn", "stubborn", timeout=0.5), grace_period_s=0.5)
+    (stubborn,) = result.jobs
+    assert (stubborn.state, stubborn.exit_code) == (JobState.FAILED, 124)
+    assert stubborn.error == "timed out after 0.5s (did not stop within the grace period)"
+
+
+def test_the_run_timeout_ends_every_job_and_cancels_the_queue(tmp_path):
+    result = run(
+        tmp_path, ending("a", "loop"), ending("b", "loop"), ending("later"),
+        max_concurrent=2, timeout=1, grace_period_s=5,
+    )
+    a, b, later = result.jobs
+    for job in (a, b):
+        assert (job.state, job.exit_code) == (JobState.FAILED, 124)
+        assert job.error == "the run timed out after 1s"
+    assert later.state == JobState.CANCELLED and later.started is None
+    assert result.exit_code == 124
+
+
+def test_a_failed_job_is_retried_with_each_attempt_logged_apart(tmp_path):
+    counter = tmp_path / "count"
+    events = tmp_path / "events.jsonl"
+    result = run(tmp_path, flaky("flaky", counter, 3), retries=2, events=str(events))
+    (job,) = result.jobs
+    assert (job.state, job.exit_code, job.extra["attempts"]) == (JobState.SUCCEEDED, 0, 3)
+    folder = Path(result.log_dir) / "flaky"
+    assert Path(job.log_dir) == folder / "attempt_2"
+    for n in range(3):
+        assert (folder / f"attempt_{n}" / "stdout.log").read_text().startswith(f"attempt {n + 1}\n")
+    assert json.loads((folder / "attempt_0" / "error.json").read_text())["error"] == "RuntimeError: flaky failure 1"
+    states = [json.loads(line)["state"] for line in events.read_text().splitlines()]
+    assert states == ["pending", "running", "queued", "running", "queued", "running", "succeeded"]
+    report = json.loads((Path(result.log_dir) / "report.json").read_text())
+    assert report["jobs"][0]["attempts"] == 3
+
+
+def test_a_job_s_own_retries_win_and_run_out(tmp_path):
+    result = run(tmp_path, flaky("flaky", tmp_path / "count", 5, retries=1), retries=3)
+    (job,) = result.jobs
+    assert (job.state, job.extra["attempts"]) == (JobState.FAILED, 2)
+    assert job.error == "RuntimeError: flaky failure 2"
+
+
+def test_after_running_out_of_memory_the_retry_waits_for_another_job_to_end(tmp_path):
+    result = run(
+        tmp_path, flaky("hungry", tmp_path / "count", 2, how="oom"), ending("holder", delay=1.0),
+        retries=1, policy="concurrent",
+    )
+    hungry, holder = result.jobs
+    assert (hungry.state, hungry.extra["attempts"]) == (JobState.SUCCEEDED, 2)
+    assert hungry.started >= holder.ended  # the second attempt started once memory was freed
+
+
+def test_halt_soon_starts_nothing_new_after_a_failure(tmp_path):
+    result = run(
+        tmp_path, ending("bad", "exit3"), ending("running", delay=1.0), ending("queued"),
+        max_concurrent=2, halt="soon",
+    )
+    bad, running, queued = result.jobs
+    assert bad.state == JobState.FAILED
+    assert running.state == JobState.SUCCEEDED  # let finish
+    assert queued.state == JobState.CANCELLED and queued.started is None
+    assert "bad failed (--halt soon)" in queued.error
+    assert result.exit_code == 3 and result.root_cause == "bad"
+
+
+def test_halt_now_interrupts_the_running_jobs(tmp_path):
+    result = run(tmp_path, ending("bad", "exit3", 0.5), ending("busy", "loop"), halt="now", grace_period_s=5)
+    bad, busy = result.jobs
+    assert bad.state == JobState.FAILED
+    assert (busy.state, busy.exit_code) == (JobState.INTERRUPTED, 130)
+    assert "got KeyboardInterrupt" in (Path(busy.log_dir) / "stdout.log").read_text()
+    assert result.root_cause == "bad"
