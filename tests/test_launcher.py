@@ -509,3 +509,39 @@ def test_halt_now_interrupts_the_running_jobs(tmp_path):
     assert (busy.state, busy.exit_code) == (JobState.INTERRUPTED, 130)
     assert "got KeyboardInterrupt" in (Path(busy.log_dir) / "stdout.log").read_text()
     assert result.root_cause == "bad"
+
+
+# -- issue 11 §6: queued and waiting --------------------------------------------------
+
+
+def _states(events: Path) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for line in events.read_text().splitlines():
+        record = json.loads(line)
+        states.setdefault(record["job"], []).append(record["state"])
+    return states
+
+
+def test_a_job_waiting_for_a_slot_is_queued(tmp_path):
+    events = tmp_path / "events.jsonl"
+    run(tmp_path, ending("first", delay=0.3), ending("second"), max_concurrent=1, events=str(events))
+    states = _states(events)
+    assert states["first"] == ["pending", "running", "succeeded"]
+    assert states["second"] == ["pending", "queued", "running", "succeeded"]
+
+
+def test_jobs_waiting_for_memory_show_queued_or_waiting(tmp_path):
+    alone = run(tmp_path / "alone", _mlp("solo", 256, 512), policy="waterwave")
+    limit = int(alone.jobs[0].extra["peak_memory_bytes"] * 2.2)  # the three together do not fit
+    events = tmp_path / "events.jsonl"
+    result = run(
+        tmp_path, _mlp("a", 256, 512), _mlp("b", 256, 512), _mlp("c", 256, 512),
+        memory_limit=limit, events=str(events),
+    )
+    assert result.exit_code == 0
+    states = _states(events)
+    seen = {state for job in states.values() for state in job}
+    assert seen & {"queued", "waiting"}  # someone had to wait, and it shows
+    for job in states.values():
+        assert job[0] == "pending" and job[-1] == "succeeded"
+        assert "running" in job

@@ -43,11 +43,14 @@ class JobState(str, enum.Enum):
     """Where a job is in its life.
 
     pending -> queued -> running -> succeeded | failed | interrupted
-    running <-> waiting          (its next NodeGroup waits for memory)
-    pending | queued -> cancelled (the run was interrupted before the job started)
+    pending -> running            (a slot was free at once)
+    running -> queued -> running  (admission beside the running jobs' memory; a retry)
+    running <-> waiting           (its next NodeGroup waits for memory)
+    pending | queued -> cancelled (interrupt, --halt or the run's timeout before it started)
 
-    `queued`: waiting for a slot (`max_concurrent`, `sequential`) or for admission
-    beside the running jobs' memory; its script has not started.
+    `queued`: waiting for a slot (`max_concurrent`, `sequential`), for admission
+    beside the running jobs' memory (the engine says so), or to be retried; its
+    script (attempt) has not started.
     """
 
     PENDING = "pending"
@@ -512,7 +515,15 @@ class _Runner:
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
+        engine.state_listeners.append(self._on_engine_state)
         return engine
+
+    def _on_engine_state(self, name: str, state: str) -> None:
+        """From the engine, on the job's thread: queued for admission, waiting for
+        memory for its next NodeGroup, or running again."""
+        job = next((j for j in self.jobs if j.spec.name == name), None)
+        if job is not None and not job.result.state.is_final:
+            self._set_state(job, JobState(state))
 
     def _expect_releases(self, job: str, held: int) -> None:
         """Backward progress, from the engine: jobs still holding activations are
@@ -779,7 +790,8 @@ class _Runner:
             f"interrupted: stopping every job (up to {self.config.grace_period_s:g}s; again to force)"
         )
         for job in self.jobs:
-            if job.result.state == JobState.RUNNING and job.context and job.context.thread_id:
+            started = job.thread is not None and not job.result.state.is_final  # running, waiting or admitting
+            if started and job.context and job.context.thread_id:
                 job.interrupted = True
                 isolation.deliver_signal(job.context, signum)
 
