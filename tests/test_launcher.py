@@ -545,3 +545,16 @@ def test_jobs_waiting_for_memory_show_queued_or_waiting(tmp_path):
     for job in states.values():
         assert job[0] == "pending" and job[-1] == "succeeded"
         assert "running" in job
+
+
+# -- issue 12 §2: a job's own threads ---------------------------------------------------
+
+
+def test_a_job_ends_after_its_non_daemon_threads_as_under_python(tmp_path):
+    target = tmp_path / "result.txt"
+    result = run(tmp_path, JobSpec(name="bg", script=str(SCRIPTS / "background.py"), args=[str(target)]))
+    (job,) = result.jobs
+    assert job.state == JobState.SUCCEEDED
+    assert target.read_text() == "trained\n"  # written before the job was reported ended
+    assert job.ended >= target.stat().st_mtime
+    assert (Path(job.log_dir) / "stdout.log").read_text() == "main returns\nresult written\n"

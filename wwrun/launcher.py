@@ -437,6 +437,7 @@ class _Runner:
         code, error = 0, None
         try:
             isolation.enter(ctx)
+            _threads_default_to_non_daemon()
             self._prepare_device(job)
             if self.engine is not None:  # may wait until the job fits beside the others
                 self.engine.job_started(job.spec.name, job.spec.priority)
@@ -940,11 +941,27 @@ def _script_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _threads_default_to_non_daemon() -> None:
+    """In a job's thread: threads the script starts are non-daemon unless it says
+    otherwise, as under `python script.py`, whose main thread is not a daemon.
+
+    The job's own thread stays a daemon for the interpreter (it was started as one:
+    a job stuck past the grace period must not keep the process alive); only the
+    flag new threads copy from their starter changes."""
+    threading.current_thread()._daemonic = False
+
+
 def _join_job_threads(ctx: isolation.JobContext) -> None:
-    """As at interpreter exit: wait for the non-daemon threads the job started."""
-    for thread in list(ctx.threads):
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    """As at interpreter exit: wait for the non-daemon threads the job started,
+    including those they start meanwhile. Short joins, so that an interrupt (Ctrl-C,
+    a timeout) can land in this thread while it waits."""
+    me = threading.current_thread()
+    while True:
+        pending = [t for t in list(ctx.threads) if t is not me and not t.daemon and t.is_alive()]
+        if not pending:
+            return
+        for thread in pending:
+            thread.join(0.1)
 
 
 def _write_error_json(job: _Job, code: int, error: str | None) -> None:
