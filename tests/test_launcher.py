@@ -558,3 +558,27 @@ def test_a_job_ends_after_its_non_daemon_threads_as_under_python(tmp_path):
     assert target.read_text() == "trained\n"  # written before the job was reported ended
     assert job.ended >= target.stat().st_mtime
     assert (Path(job.log_dir) / "stdout.log").read_text() == "main returns\nresult written\n"
+
+
+# -- issue 12 §6: a crash of the whole process -----------------------------------------
+
+
+def test_a_segfault_in_one_job_leaves_a_crash_report_naming_it(tmp_path):
+    logs = tmp_path / "logs"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(logs),
+         str(SCRIPTS / "crash.py"), "0.5", ":", ENDING, "loop"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV), done.stderr  # the process is gone
+    folder = (logs / "latest").resolve()
+    crash = (folder / "crash.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in crash
+    assert "runs job crash" in crash and 'crash.py", line' in crash
+    report = json.loads((folder / "report.json").read_text())  # written while it ran
+    assert report["run"]["state"] == "running"
+    assert {j["name"]: j["state"] for j in report["jobs"]} == {"crash": "running", "ending": "running"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "--log-dir", str(logs)], capture_output=True, text=True, timeout=60,
+    )
+    assert "the process crashed in job crash: Fatal Python error: Segmentation fault" in shown.stdout

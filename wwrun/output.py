@@ -202,8 +202,12 @@ def show_run(run: str | None = None, log_root: str = "wwrun_logs", file=None) ->
         state = "crashed"
     elif state == "running":
         state = "running, or ended without a word (the report was last written while it ran)"
-    print(f"run {info['run_id']} ({state}): device {info['device']}, policy {info['policy']}, "
-          f"exit code {info['exit_code']}, {info['wall_s']}s", file=out)
+    if info.get("state", "ended") == "ended":
+        outcome = f"exit code {info['exit_code']}, {info['wall_s']}s"
+    else:
+        outcome = f"last report after {info['wall_s']}s"
+    print(f"run {info['run_id']} ({state}): device {info['device']}, policy {info['policy']}, {outcome}",
+          file=out)
     print(f"logs: {folder}", file=out)
     if crash:
         print(crash, file=out)
@@ -211,7 +215,8 @@ def show_run(run: str | None = None, log_root: str = "wwrun_logs", file=None) ->
     for job in jobs:
         attempts = job.get("attempts", 1)
         again = f", {attempts} attempts" if attempts > 1 else ""
-        line = f"  {job['name']:<{width}}  {job['state']:<11} exit {job['exit_code']}{again}"
+        code = "" if job["exit_code"] is None else f" exit {job['exit_code']}"
+        line = f"  {job['name']:<{width}}  {job['state']:<11}{code}{again}"
         if job.get("error"):
             line += f"  {job['error']}"
         print(line, file=out)
