@@ -582,3 +582,31 @@ def test_a_segfault_in_one_job_leaves_a_crash_report_naming_it(tmp_path):
         [sys.executable, "-m", "wwrun", "show", "--log-dir", str(logs)], capture_output=True, text=True, timeout=60,
     )
     assert "the process crashed in job crash: Fatal Python error: Segmentation fault" in shown.stdout
+
+
+# -- issue 12 §7: escaping children ------------------------------------------------------
+
+
+def _gone(pid: int, within: float = 15.0) -> bool:
+    """Polls until the process is gone (or a zombie), for at most `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_double_forked_daemon_is_ended_with_the_run(tmp_path):
+    pidfile = tmp_path / "daemon.pid"
+    result = run(tmp_path, JobSpec(name="d", script=str(SCRIPTS / "daemon.py"), args=[str(pidfile)]))
+    assert result.exit_code == 0, (Path(result.jobs[0].log_dir) / "stderr.log").read_text()
+    pid = int(pidfile.read_text())
+    try:
+        assert _gone(pid), "the daemon outlived the run"
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -6,7 +6,6 @@ import io
 import json
 import os
 
-
 from wwrun.output import JobOutput, Pump, crash_summary, find_run, show_run
 
 
