@@ -325,7 +325,7 @@ class _Runner:
                 if self._interrupted_at is not None:
                     if not active or now > self._interrupted_at + self.config.grace_period_s:
                         for job in active:  # past the grace period: abandoned, reported as such
-                            self._finish(job, EXIT_INTERRUPTED, "did not stop within the grace period")
+                            self._finish(job, EXIT_INTERRUPTED, "did not stop within the grace period", abandoned=True)
                         return
                 while self._queue and len(active) < limit:
                     job = self._next_to_start(active)
@@ -570,6 +570,9 @@ class _Runner:
             code, error = job.stop
             if abandoned:
                 error += " (did not stop within the grace period)"
+        if abandoned and self.engine is not None:
+            # Its thread goes on, but the memory it reserved and its hooks go back now.
+            self.engine.job_finished(job.spec.name)
         result.exit_code = code
         result.error = error
         if code == 0:
@@ -629,7 +632,10 @@ class _Runner:
             if figures:
                 result.extra["peak_memory_bytes"] = figures["peak"]
             if self.engine is not None and result.started is not None:
-                result.extra.update(self.engine.job_report(result.name))
+                try:
+                    result.extra.update(self.engine.job_report(result.name))
+                except KeyError:  # it failed before the engine saw it (no such script, ...)
+                    pass
         failures = [r for r in results if r.exit_code not in (0, None)]
         failures.sort(key=lambda r: r.ended or float("inf"))
         cancelled = any(r.state == JobState.CANCELLED for r in results)
