@@ -183,12 +183,25 @@ def _as_flag(err: ConfigError) -> ConfigError:
     return ConfigError(flags[err.where], err.reason) if flags.get(err.where) else err
 
 
+def _show(argv: list[str]) -> int:
+    """`wwrun show [RUN] [--log-dir DIR]`: a past run's summary (the latest by default)."""
+    from wwrun.output import show_run
+
+    parser = _Parser(prog="wwrun show", description="Print a past run's summary.")
+    parser.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    parser.add_argument("--log-dir", default="wwrun_logs", metavar="DIR", help="where logs go")
+    args = parser.parse_args(argv)
+    return show_run(args.run, log_root=args.log_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:
+    if argv[:1] == ["doctor"] and not os.path.isfile("doctor"):
         from wwrun import doctor
 
         return doctor.main(argv[1:])
+    if argv[:1] == ["show"] and not os.path.isfile("show"):
+        return _show(argv[1:])
     from wwrun.launcher import EXIT_INTERRUPTED, launch
     from wwrun.recipe import dump_recipe
 

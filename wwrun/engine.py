@@ -191,6 +191,9 @@ class Engine:
         # Release listeners hear (job, bytes still held) as backward frees memory:
         # the allocator uses it to know who is about to free (its rule f).
         self.release_listeners: list[Callable[[str, int], None]] = []
+        # State listeners hear (job, 'queued' | 'waiting' | 'running') as a job waits
+        # for admission, its next NodeGroup waits for memory, or it goes on.
+        self.state_listeners: list[Callable[[str, str], None]] = []
 
     # ---- the launcher's contract ------------------------------------------------------
     def job_started(self, name: str, priority: int = 0) -> None:
@@ -199,15 +202,19 @@ class Engine:
         self._local.job = name
         self._local.depth = 0
         with self._cond:
-            if name in self._jobs:
+            earlier = self._jobs.get(name)
+            if earlier is not None and earlier.ended is None:  # an ended job may start again (a retry)
                 raise ValueError(f"job {name!r} was already started")
             job = _Job(name, priority, len(self._jobs), started=time.perf_counter())
             self._jobs[name] = job
             self.timeline.track(name)
             self.scheduler.enqueue(name, priority)
             waited_from = time.perf_counter()
-            while not self.scheduler.try_start(name):
-                self._cond.wait(WAIT_POLL_S)
+            if not self.scheduler.try_start(name):
+                self._tell(name, "queued")
+                while not self.scheduler.try_start(name):
+                    self._cond.wait(WAIT_POLL_S)
+                self._tell(name, "running")
             self._waited(job, "queued", waited_from)
             job.admitted = time.perf_counter()
             job.queued_s = job.admitted - waited_from
@@ -233,6 +240,10 @@ class Engine:
             self._cond.notify_all()
         if getattr(self._local, "job", None) == name:
             self._local.job = None
+
+    def _tell(self, name: str, state: str) -> None:
+        for listener in self.state_listeners:
+            listener(name, state)
 
     def memory_of(self, name: str) -> int | None:
         """The job's live bytes now (for the live table); None for an unknown job."""
@@ -503,6 +514,8 @@ class Engine:
                 if decision is Decision.TOO_LARGE:
                     job.failed = self._too_large_message(job, want)
                 self._wait_for_memory(job)
+            if job.waiting_since:
+                self._tell(job.name, "running")
             job.waiting_since = 0.0
             job.reserved = want
             self._waited(job, f"wait g{group}", started)
@@ -515,6 +528,8 @@ class Engine:
         while True:
             decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
             if decision is Decision.GRANT:
+                if job.waiting_since:
+                    self._tell(job.name, "running")
                 job.waiting_since = 0.0
                 return
             if decision is Decision.TOO_LARGE:
@@ -529,6 +544,7 @@ class Engine:
             # A new waiter changes what the others may do (the scheduler's preferences
             # give way when everyone waits): let them look again.
             job.waiting_since = time.perf_counter()
+            self._tell(job.name, "waiting")
             self._cond.notify_all()
         victim = self.scheduler.stuck_victim()
         if victim is not None:
