@@ -4,6 +4,7 @@
     wwrun [options] -m module [args...] [: -m module [args...]]...
     wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
     wwrun doctor [--full]                    what wwrun will use here, and whether it works
+    wwrun show [RUN] [--log-dir DIR]         a past run's summary (default: the latest)
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
 belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
