@@ -8,7 +8,19 @@ failure (the root cause), or 0.
 
 Signals: the first SIGINT/SIGTERM reaches every running job (its own handler if it
 set one, else KeyboardInterrupt) and starts nothing more; jobs then have `grace_period_s` to end. The second ends the
-process at once with code 130. Child processes the jobs started are ended with the run.
+process at once with code 130. Child processes the jobs started are ended with the run,
+orphaned ones too (the launcher is a child subreaper while it runs).
+
+Sweeps: a job's `timeout` ends it alone as SIGTERM would (exit code 124, as GNU
+timeout); the run's `timeout` ends every job so. A failed job is queued again up to
+`retries` times, each attempt logged in `<job>/attempt_N/`; after running out of
+memory, once another job has ended. `halt` (GNU parallel's --halt): after the first
+failure start nothing new (`soon`) or also interrupt the running jobs (`now`).
+
+A crash of the process (a segfault in one job's C extension) cannot be contained by
+threads: `<run>/crash.log` then holds every thread's stack and which thread ran
+which job, and `<run>/report.json`, rewritten while the run goes on, every job's
+state and last lines (`wwrun show`).
 """
 
 from __future__ import annotations
@@ -207,6 +219,7 @@ class _Job:
         self.stop: tuple[int, str] | None = None
         """(exit code, error) the launcher ended this job with (timeout, --halt now)."""
         self.stop_asked_at: float | None = None
+        self.stop_delivered = False
         self.deadline: float | None = None
 
     def attempt_folder(self) -> Path:
@@ -316,6 +329,8 @@ class _Runner:
                     for job in active:
                         self._stop(job, EXIT_TIMEOUT, self._halted)
                 for job in active:
+                    if job.stop is not None and not job.stop_delivered:  # asked before its thread ran
+                        self._deliver_stop(job)
                     if job.deadline is not None and now > job.deadline and job.stop is None:
                         self._stop(job, EXIT_TIMEOUT, f"timed out after {_seconds(job.spec.timeout)}")
                     elif job.stop_asked_at is not None and now > job.stop_asked_at + self.config.grace_period_s:
@@ -371,7 +386,12 @@ class _Runner:
         the grace period to stop, then it is abandoned."""
         job.stop = (code, error)
         job.stop_asked_at = time.monotonic()
+        job.stop_delivered = False
+        self._deliver_stop(job)
+
+    def _deliver_stop(self, job: _Job) -> None:
         if job.context is not None and job.context.thread_id:
+            job.stop_delivered = True
             isolation.deliver_signal(job.context, signal.SIGTERM)
 
     def _start(self, job: _Job, pump: Pump) -> None:
