@@ -610,3 +610,11 @@ def test_a_double_forked_daemon_is_ended_with_the_run(tmp_path):
     finally:
         if psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_retried_job_starts_again_under_the_engine(tmp_path):
+    result = run(tmp_path, flaky("flaky", tmp_path / "count", 2), _mlp("mlp", 64, 32, steps=3), retries=1)
+    flaky_job, mlp = result.jobs
+    assert result.policy == "waterwave"
+    assert (flaky_job.state, flaky_job.extra["attempts"]) == (JobState.SUCCEEDED, 2)
+    assert mlp.state == JobState.SUCCEEDED
