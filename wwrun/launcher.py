@@ -283,6 +283,7 @@ class _Runner:
             restore_signals()
             self._end_children()
             end_subreaper()
+            end_crash_log()  # still here: no crash to tell of
             for job in self.jobs:
                 if job.output:
                     job.output.close_writers()
@@ -290,7 +291,6 @@ class _Runner:
             self._events.close()
         result = self._result()
         self._write_report(result)
-        end_crash_log()
         self._write_outputs()
         self.display.stop(result)
         if self.config.explain:
