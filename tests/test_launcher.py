@@ -618,3 +618,12 @@ def test_a_retried_job_starts_again_under_the_engine(tmp_path):
     assert result.policy == "waterwave"
     assert (flaky_job.state, flaky_job.extra["attempts"]) == (JobState.SUCCEEDED, 2)
     assert mlp.state == JobState.SUCCEEDED
+
+
+def test_a_job_leaving_its_executors_open_ends_as_under_python(tmp_path):
+    # Their workers are non-daemon threads now (as under python), which interpreter
+    # exit stops through concurrent.futures' own hook; the launcher does it per job.
+    result = _launch_bounded(tmp_path, JobSpec(name="pools", script=str(SCRIPTS / "pools.py")), limit=60)
+    (job,) = result.jobs
+    assert job.state == JobState.SUCCEEDED, job.error
+    assert (Path(job.log_dir) / "stdout.log").read_text() == "1024 27\n"

@@ -983,12 +983,32 @@ def _join_job_threads(ctx: isolation.JobContext) -> None:
     including those they start meanwhile. Short joins, so that an interrupt (Ctrl-C,
     a timeout) can land in this thread while it waits."""
     me = threading.current_thread()
+    _shut_down_executors(ctx)
     while True:
         pending = [t for t in list(ctx.threads) if t is not me and not t.daemon and t.is_alive()]
         if not pending:
             return
         for thread in pending:
             thread.join(0.1)
+
+
+def _shut_down_executors(ctx: isolation.JobContext) -> None:
+    """What interpreter exit does for concurrent.futures (its `threading._register_atexit`
+    hook), for this job's executors only: their idle workers are told to stop once
+    the queued work is done, so that a script that never called `shutdown()` ends as
+    under python instead of waiting on them forever. The hook itself is process-wide:
+    it would stop every job's executors."""
+    thread_pools = sys.modules.get("concurrent.futures.thread")
+    process_pools = sys.modules.get("concurrent.futures.process")
+    for thread in list(ctx.threads):
+        reference = None
+        if thread_pools is not None and getattr(thread, "_target", None) is thread_pools._worker:
+            reference = thread._args[0]
+        elif process_pools is not None and isinstance(thread, process_pools._ExecutorManagerThread):
+            reference = thread.executor_reference
+        executor = reference() if reference is not None else None
+        if executor is not None:
+            executor.shutdown(wait=False)
 
 
 def _write_error_json(job: _Job, code: int, error: str | None) -> None:
