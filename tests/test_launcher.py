@@ -557,7 +557,8 @@ def test_a_job_ends_after_its_non_daemon_threads_as_under_python(tmp_path):
     assert job.state == JobState.SUCCEEDED
     assert target.read_text() == "trained\n"  # written before the job was reported ended
     assert job.ended >= target.stat().st_mtime
-    assert (Path(job.log_dir) / "stdout.log").read_text() == "main returns\nresult written\n"
+    log = (Path(job.log_dir) / "stdout.log").read_text()
+    assert log == "main returns\nresult written\natexit sees the result: True\n"
 
 
 # -- issue 12 §6: a crash of the whole process -----------------------------------------

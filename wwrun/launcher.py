@@ -470,15 +470,15 @@ class _Runner:
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
             job.out_of_memory = _is_out_of_memory(exc)
-        try:
-            if self.engine is not None:  # hands back every byte it reserved, wakes the others
-                self.engine.job_finished(job.spec.name)
-            isolation.run_atexit_handlers(ctx)
+        try:  # as at interpreter exit: first the non-daemon threads, then atexit
             _join_job_threads(ctx)
+            isolation.run_atexit_handlers(ctx)
         except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
             if code == 0:
                 code, error = _outcome(exc, ctx)
         finally:
+            if self.engine is not None:  # hands back every byte it reserved, wakes the others
+                self.engine.job_finished(job.spec.name)
             for stream in (ctx.stdout, ctx.stderr):
                 try:
                     stream.flush()
