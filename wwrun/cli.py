@@ -219,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED
-    if any(t.name.startswith("wwrun:") and t.is_alive() for t in threading.enumerate()):
-        # A job ignored the interrupt past its grace period: threads cannot be killed,
-        # the process can.
+    main_thread = threading.main_thread()
+    if any(t.is_alive() and (t.name.startswith("wwrun:") or not t.daemon and t is not main_thread)
+           for t in threading.enumerate()):
+        # A job ignored the interrupt past its grace period, or an interrupted job
+        # left a thread of its own running (interpreter exit would wait for it):
+        # threads cannot be killed, the process can.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(result.exit_code)
