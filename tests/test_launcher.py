@@ -628,3 +628,16 @@ def test_a_job_leaving_its_executors_open_ends_as_under_python(tmp_path):
     (job,) = result.jobs
     assert job.state == JobState.SUCCEEDED, job.error
     assert (Path(job.log_dir) / "stdout.log").read_text() == "1024 27\n"
+
+
+def test_an_interrupted_job_s_endless_thread_does_not_keep_the_process_alive(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), str(SCRIPTS / "spinner.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
