@@ -557,7 +557,8 @@ def test_a_job_ends_after_its_non_daemon_threads_as_under_python(tmp_path):
     assert job.state == JobState.SUCCEEDED
     assert target.read_text() == "trained\n"  # written before the job was reported ended
     assert job.ended >= target.stat().st_mtime
-    assert (Path(job.log_dir) / "stdout.log").read_text() == "main returns\nresult written\n"
+    log = (Path(job.log_dir) / "stdout.log").read_text()
+    assert log == "main returns\nresult written\natexit sees the result: True\n"
 
 
 # -- issue 12 §6: a crash of the whole process -----------------------------------------
@@ -610,3 +611,33 @@ def test_a_double_forked_daemon_is_ended_with_the_run(tmp_path):
     finally:
         if psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_retried_job_starts_again_under_the_engine(tmp_path):
+    result = run(tmp_path, flaky("flaky", tmp_path / "count", 2), _mlp("mlp", 64, 32, steps=3), retries=1)
+    flaky_job, mlp = result.jobs
+    assert result.policy == "waterwave"
+    assert (flaky_job.state, flaky_job.extra["attempts"]) == (JobState.SUCCEEDED, 2)
+    assert mlp.state == JobState.SUCCEEDED
+
+
+def test_a_job_leaving_its_executors_open_ends_as_under_python(tmp_path):
+    # Their workers are non-daemon threads now (as under python), which interpreter
+    # exit stops through concurrent.futures' own hook; the launcher does it per job.
+    result = _launch_bounded(tmp_path, JobSpec(name="pools", script=str(SCRIPTS / "pools.py")), limit=60)
+    (job,) = result.jobs
+    assert job.state == JobState.SUCCEEDED, job.error
+    assert (Path(job.log_dir) / "stdout.log").read_text() == "1024 27\n"
+
+
+def test_an_interrupted_job_s_endless_thread_does_not_keep_the_process_alive(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), str(SCRIPTS / "spinner.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()

@@ -4,6 +4,7 @@
     wwrun [options] -m module [args...] [: -m module [args...]]...
     wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
     wwrun doctor [--full]                    what wwrun will use here, and whether it works
+    wwrun show [RUN] [--log-dir DIR]         a past run's summary (default: the latest)
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
 belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
@@ -218,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED
-    if any(t.name.startswith("wwrun:") and t.is_alive() for t in threading.enumerate()):
-        # A job ignored the interrupt past its grace period: threads cannot be killed,
-        # the process can.
+    main_thread = threading.main_thread()
+    if any(t.is_alive() and (t.name.startswith("wwrun:") or not t.daemon and t is not main_thread)
+           for t in threading.enumerate()):
+        # A job ignored the interrupt past its grace period, or an interrupted job
+        # left a thread of its own running (interpreter exit would wait for it):
+        # threads cannot be killed, the process can.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(result.exit_code)

@@ -8,7 +8,19 @@ failure (the root cause), or 0.
 
 Signals: the first SIGINT/SIGTERM reaches every running job (its own handler if it
 set one, else KeyboardInterrupt) and starts nothing more; jobs then have `grace_period_s` to end. The second ends the
-process at once with code 130. Child processes the jobs started are ended with the run.
+process at once with code 130. Child processes the jobs started are ended with the run,
+orphaned ones too (the launcher is a child subreaper while it runs).
+
+Sweeps: a job's `timeout` ends it alone as SIGTERM would (exit code 124, as GNU
+timeout); the run's `timeout` ends every job so. A failed job is queued again up to
+`retries` times, each attempt logged in `<job>/attempt_N/`; after running out of
+memory, once another job has ended. `halt` (GNU parallel's --halt): after the first
+failure start nothing new (`soon`) or also interrupt the running jobs (`now`).
+
+A crash of the process (a segfault in one job's C extension) cannot be contained by
+threads: `<run>/crash.log` then holds every thread's stack and which thread ran
+which job, and `<run>/report.json`, rewritten while the run goes on, every job's
+state and last lines (`wwrun show`).
 """
 
 from __future__ import annotations
@@ -207,6 +219,7 @@ class _Job:
         self.stop: tuple[int, str] | None = None
         """(exit code, error) the launcher ended this job with (timeout, --halt now)."""
         self.stop_asked_at: float | None = None
+        self.stop_delivered = False
         self.deadline: float | None = None
 
     def attempt_folder(self) -> Path:
@@ -270,6 +283,7 @@ class _Runner:
             restore_signals()
             self._end_children()
             end_subreaper()
+            end_crash_log()  # still here: no crash to tell of
             for job in self.jobs:
                 if job.output:
                     job.output.close_writers()
@@ -277,7 +291,6 @@ class _Runner:
             self._events.close()
         result = self._result()
         self._write_report(result)
-        end_crash_log()
         self._write_outputs()
         self.display.stop(result)
         if self.config.explain:
@@ -316,6 +329,8 @@ class _Runner:
                     for job in active:
                         self._stop(job, EXIT_TIMEOUT, self._halted)
                 for job in active:
+                    if job.stop is not None and not job.stop_delivered:  # asked before its thread ran
+                        self._deliver_stop(job)
                     if job.deadline is not None and now > job.deadline and job.stop is None:
                         self._stop(job, EXIT_TIMEOUT, f"timed out after {_seconds(job.spec.timeout)}")
                     elif job.stop_asked_at is not None and now > job.stop_asked_at + self.config.grace_period_s:
@@ -371,7 +386,12 @@ class _Runner:
         the grace period to stop, then it is abandoned."""
         job.stop = (code, error)
         job.stop_asked_at = time.monotonic()
+        job.stop_delivered = False
+        self._deliver_stop(job)
+
+    def _deliver_stop(self, job: _Job) -> None:
         if job.context is not None and job.context.thread_id:
+            job.stop_delivered = True
             isolation.deliver_signal(job.context, signal.SIGTERM)
 
     def _start(self, job: _Job, pump: Pump) -> None:
@@ -450,15 +470,15 @@ class _Runner:
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
             job.out_of_memory = _is_out_of_memory(exc)
-        try:
-            if self.engine is not None:  # hands back every byte it reserved, wakes the others
-                self.engine.job_finished(job.spec.name)
-            isolation.run_atexit_handlers(ctx)
+        try:  # as at interpreter exit: first the non-daemon threads, then atexit
             _join_job_threads(ctx)
+            isolation.run_atexit_handlers(ctx)
         except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
             if code == 0:
                 code, error = _outcome(exc, ctx)
         finally:
+            if self.engine is not None:  # hands back every byte it reserved, wakes the others
+                self.engine.job_finished(job.spec.name)
             for stream in (ctx.stdout, ctx.stderr):
                 try:
                     stream.flush()
@@ -963,12 +983,32 @@ def _join_job_threads(ctx: isolation.JobContext) -> None:
     including those they start meanwhile. Short joins, so that an interrupt (Ctrl-C,
     a timeout) can land in this thread while it waits."""
     me = threading.current_thread()
+    _shut_down_executors(ctx)
     while True:
         pending = [t for t in list(ctx.threads) if t is not me and not t.daemon and t.is_alive()]
         if not pending:
             return
         for thread in pending:
             thread.join(0.1)
+
+
+def _shut_down_executors(ctx: isolation.JobContext) -> None:
+    """What interpreter exit does for concurrent.futures (its `threading._register_atexit`
+    hook), for this job's executors only: their idle workers are told to stop once
+    the queued work is done, so that a script that never called `shutdown()` ends as
+    under python instead of waiting on them forever. The hook itself is process-wide:
+    it would stop every job's executors."""
+    thread_pools = sys.modules.get("concurrent.futures.thread")
+    process_pools = sys.modules.get("concurrent.futures.process")
+    for thread in list(ctx.threads):
+        reference = None
+        if thread_pools is not None and getattr(thread, "_target", None) is thread_pools._worker:
+            reference = thread._args[0]
+        elif process_pools is not None and isinstance(thread, process_pools._ExecutorManagerThread):
+            reference = thread.executor_reference
+        executor = reference() if reference is not None else None
+        if executor is not None:
+            executor.shutdown(wait=False)
 
 
 def _write_error_json(job: _Job, code: int, error: str | None) -> None:
