@@ -414,6 +414,10 @@ class Engine:
             return  # a forward re-run inside backward (checkpointing): never block there
         if model not in job.models:
             return
+        if job.passes and job.name in self.scheduler.jobs and not self.scheduler.jobs[job.name].settled:
+            with self._cond:  # a second pass: whatever its first iteration created exists
+                self.scheduler.settle(job.name)
+                self._cond.notify_all()
         signature = _signature(args, kwargs)
         plan = model.plans.get(signature)
         now = time.perf_counter()
@@ -508,7 +512,8 @@ class Engine:
         claim = job.retained
         if self.device != "cpu":
             claim += plan.transient_bytes  # the allocator sees transients too
-        self.scheduler.end_profile(job.name, claim)
+        # Settled once its optimizer state exists (the first step) or, without one, at its next pass.
+        self.scheduler.end_profile(job.name, claim, settled=False)
         self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
         current.group = len(plan.groups) - 1
 
@@ -694,6 +699,8 @@ class Engine:
                 job.persistent_reserved = job.persistent_peak
                 if job.name in self.scheduler.jobs:
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
+                    self.scheduler.settle(job.name)
+                    self._cond.notify_all()  # a queued job may fit now
         if job.discovering:
             with self._cond:
                 job.discovering = False
