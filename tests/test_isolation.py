@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,27 @@ def test_pyplot_figures_are_per_job(tmp_path):
         # Each job numbers its figures from 1, as when run alone, and draws only into its own.
         assert "fignums=[1] own=True" in log(result, name)
         assert "after_close=[]" in log(result, name)
+
+
+def test_an_interrupt_landing_in_a_finalizer_still_reaches_the_job(tmp_path):
+    """Python drops an exception raised in `__del__` ("Exception ignored in ..."); an
+    interrupt that lands there is raised again in the job, so its `finally:` runs."""
+    import threading
+    import time
+
+    count = 4
+    ready = [tmp_path / f"ready{i}" for i in range(count)]
+
+    def interrupt_once_all_run():
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # deep in their loops, mostly inside finalizers
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_all_run, daemon=True).start()
+    jobs = [job(f"f{i}", "finalizers.py", ready[i], tmp_path / f"ckpt{i}") for i in range(count)]
+    result = run(tmp_path, *jobs, policy="concurrent", grace_period_s=20)
+    assert [j.state.value for j in result.jobs] == ["interrupted"] * count, result.to_dict()
+    assert [j.error for j in result.jobs if "grace period" in (j.error or "")] == []
+    assert all((tmp_path / f"ckpt{i}").read_text() == "saved" for i in range(count))

@@ -180,6 +180,43 @@ def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> b
     return done == 1
 
 
+# An asynchronous exception can land in a finalizer (`__del__`, a weakref callback)
+# that happens to run in the job's thread, often the engine's bookkeeping of a freed
+# activation; Python then reports it as "Exception ignored in ..." and drops it, and
+# the job trains on past its Ctrl-C. The hook raises it again in the job's own code:
+# not asynchronously (it would land in the next finalizer just as well) but at the
+# next line of the frame that was running when the finalizer was called, through that
+# frame's trace function (Python's debugger mechanism), which no finalizer shares.
+_REDELIVERED = (KeyboardInterrupt, SystemExit)
+
+
+def _unraisable_hook(unraisable) -> None:
+    exc_type = unraisable.exc_type
+    if current_job() is not None and exc_type is not None and issubclass(exc_type, _REDELIVERED):
+        _raise_at_next_line(sys._getframe(1), exc_type)
+        return
+    _originals["unraisablehook"](unraisable)
+
+
+def _raise_at_next_line(frame, exc_type: type[BaseException]) -> None:
+    previous = sys.gettrace()
+
+    def other_frames(f, event, arg):  # new frames (finalizers among them) are not ours to stop
+        return previous(f, event, arg) if previous is not None else None
+
+    def stop_here(f, event, arg):
+        sys.settrace(previous)
+        f.f_trace = None
+        if event == "return" and f.f_back is not None:  # it ends first: stop its caller instead
+            _raise_at_next_line(f.f_back, exc_type)
+            return None
+        raise exc_type
+
+    frame.f_trace = stop_here
+    frame.f_trace_lines = True
+    sys.settrace(other_frames)
+
+
 # ---------------------------------------------------------------------------------
 # Thread-dispatching views
 
@@ -628,6 +665,7 @@ def _patch_functions() -> None:
     import subprocess
 
     _originals.update({
+        "unraisablehook": sys.unraisablehook,
         "atexit.register": atexit.register,
         "atexit.unregister": atexit.unregister,
         "signal.signal": signal.signal,
@@ -639,6 +677,7 @@ def _patch_functions() -> None:
         "get_preparation_data": multiprocessing.spawn.get_preparation_data,
     })
     atexit.register = _atexit_register
+    sys.unraisablehook = _unraisable_hook
     atexit.unregister = _atexit_unregister
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
