@@ -146,3 +146,13 @@ def test_job_names():
         job("a" * 101)
     with pytest.raises(ConfigError, match="not a valid job name"):
         job("my job")
+
+
+def test_a_run_longer_than_the_open_file_limit_is_refused_up_front(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1000, 1000))
+    jobs = [job(f"j{i}") for i in range(200)]
+    with pytest.raises(ConfigError, match=r"^jobs: 200 jobs need about \d+ open files and this process may open 1000"):
+        preflight(LaunchConfig(jobs=jobs))
+    preflight(LaunchConfig(jobs=jobs[:100]))
