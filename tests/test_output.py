@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from pathlib import Path
+
+import pytest
 
 from wwrun.output import JobOutput, Pump, crash_summary, find_run, show_run
 
@@ -77,3 +80,19 @@ def test_no_crash_summary_without_a_fatal_error(tmp_path):
     (tmp_path / "crash.log").write_text("wwrun: thread 0x1 runs job a (attempt 0)\n")
     assert crash_summary(tmp_path) is None
     assert crash_summary(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_an_ended_job_keeps_two_descriptors_not_six(tmp_path):
+    """A sweep through the queue must not run out of open files: an ended job's pipes
+    are drained and closed, its write ends kept on /dev/null until the run ends."""
+    from wwrun import JobSpec, LaunchConfig
+    from wwrun.launcher import launch
+
+    script = str(Path(__file__).parent / "scripts" / "count_fds.py")
+    jobs = [JobSpec(name=f"j{i}", script=script) for i in range(30)]
+    result = launch(LaunchConfig(jobs=jobs, policy="sequential", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0
+    counts = [int((Path(result.log_dir) / f"j{i}" / "stdout.log").read_text().split("=")[1]) for i in range(30)]
+    grown = counts[-1] - counts[0]
+    assert grown <= 2 * 29 + 12, counts  # 6 per ended job before (174)

@@ -404,10 +404,10 @@ def preflight(config: LaunchConfig) -> None:
         refuse_job_memory_limits(config, "on the CPU")
 
 
-# Open files a run holds per job until the run ends (two pipes and two log files;
-# measured: 3250 jobs ran under `ulimit -n` 20000, 5000 failed with EMFILE), and the
-# launcher's own. Lower it when the launcher closes a job's pipes as the job ends.
-FDS_PER_JOB = 6
+# Open files a run holds: a running job six (two pipes, two log files), an ended one
+# two until the run ends (its write ends, pointed at /dev/null), and the launcher's own.
+FDS_PER_RUNNING_JOB = 6
+FDS_PER_ENDED_JOB = 2
 _FDS_BASE = 128
 
 
@@ -417,9 +417,10 @@ def _check_descriptors(config: LaunchConfig) -> None:
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = FDS_PER_JOB * len(config.jobs) + _FDS_BASE
+    running = min(config.concurrency, len(config.jobs))
+    needed = FDS_PER_ENDED_JOB * len(config.jobs) + FDS_PER_RUNNING_JOB * running + _FDS_BASE
     if soft != resource.RLIM_INFINITY and needed > soft:
-        most = (soft - _FDS_BASE) // FDS_PER_JOB
+        most = (soft - _FDS_BASE - FDS_PER_RUNNING_JOB * running) // FDS_PER_ENDED_JOB
         raise ConfigError(
             "jobs", f"{len(config.jobs)} jobs need about {needed} open files and this process may open "
             f"{soft} (ulimit -n): split it into runs of at most {most} jobs, or raise the limit",

@@ -487,6 +487,7 @@ class _Runner:
             ctx.stdin.close()
             isolation.leave()
             self._release_device(job)
+            job.output.release_writers()
         return code, error
 
     def _install_allocator(self) -> str | None:

@@ -63,6 +63,24 @@ class JobOutput:
         raw = io.FileIO(self.fds[stream], "w", closefd=False)
         return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True)
 
+    def release_writers(self) -> None:
+        """The job has ended: its write ends now lead to /dev/null. Its pipes reach end
+        of file (the pump then closes them and the log files), so an ended job holds
+        two descriptors, not six; and a thread of the job still writing cannot reach
+        another job's pipe through a reused descriptor number, as closing would allow."""
+        for text in (self.stdout, self.stderr):
+            try:
+                text.flush()
+            except (OSError, ValueError):
+                pass
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for fd in self.fds.values():
+                if fd >= 0:
+                    os.dup2(null, fd)
+        finally:
+            os.close(null)
+
     def close_writers(self) -> None:
         """The job has ended: flush and close the launcher's write ends (children may
         still hold theirs until they exit)."""
