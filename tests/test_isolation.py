@@ -202,3 +202,23 @@ def test_pyplot_figures_are_per_job(tmp_path):
         # Each job numbers its figures from 1, as when run alone, and draws only into its own.
         assert "fignums=[1] own=True" in log(result, name)
         assert "after_close=[]" in log(result, name)
+
+
+def test_rebinding_process_wide_names_stays_in_the_job(tmp_path):
+    # sys.argv, os.environ, sys.path and sys.stdout rebound by two jobs at once.
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    names = ["a", "b"]
+    result = run(tmp_path, *(job(n, "rebind.py", n, rendezvous, len(names), tmp_path) for n in names))
+    assert result.exit_code == 0, [log(result, n, "stderr") for n in names]
+    for name in names:
+        out = log(result, name)
+        tee = (tmp_path / f"{name}.tee").read_text()
+        for text in (out, tee):
+            assert f"argv=['prog', '--who={name}'] json=[\"prog\", \"--who={name}\"]" in text
+            assert f"environ={name} {name} merged={name}" in text
+            assert f"path0=/nonexistent/{name} types=list,list,dict" in text
+            assert "plain=True" in text  # pickle and torch.save see plain list/dict
+        assert f"restored {name}" in out and "restored" not in tee
+    assert "--who=a" not in sys.argv and "WHO" not in os.environ
+    assert not any(p.startswith("/nonexistent") for p in sys.path)

@@ -11,18 +11,21 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     -----------------  ---------------------------------  ------------------------------------
     __main__           the job's own module object        `_MainModule` proxy in sys.modules
     sibling modules    private copies (`from model ...`)  `_JobLocalFinder` + `_SharedName` proxies
-    sys.argv           the job's argv                     `_ThreadArgv` (a sequence, not a list*)
-    os.environ         launcher env + job env + WWRUN_*   `_ThreadEnviron`
-    stdin/out/err      the job's pipes (logs, display)    `_ThreadStream`
+    sys.argv, sys.path the job's own plain lists          `_PerJobName` on sys's class
+    os.environ         launcher env + job env + WWRUN_*   `_PerJobName` on os's class (a plain
+                       (a plain dict)                     dict), `_ThreadEnviron` for os.getenv
+    stdin/out/err      the job's pipes (logs, display),   `_PerJobName` + `_ThreadStream`
+                       or what the job assigned (a Tee)
     working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
     atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`
 
-*A list subclass would be read directly by C code (`" ".join(sys.argv)`, `json`),
-bypassing the dispatch: a plain sequence fails loudly where a list would be silently
-wrong.
+Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
+`sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
+are real `list`/`dict` objects, so `json.dumps(sys.argv)`, `os.environ | {}` and
+`torch.save({'argv': sys.argv})` behave as under `python`.
 
 What stays shared (documented for users): C-level `getenv`, the global RNG, torch's
 global flags, `logging`'s root configuration, warning filters.
@@ -80,6 +83,10 @@ class JobContext:
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
     """Private copies of modules found in `local_roots`, by name."""
     stdin: io.TextIOBase = field(default_factory=lambda: open(os.devnull))  # noqa: SIM115
+    path: list[str] | None = None
+    """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
+    rebound: dict = field(default_factory=dict)
+    """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     atexit_handlers: list = field(default_factory=list)
     signal_handlers: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
@@ -92,6 +99,9 @@ class JobContext:
 def enter(job: JobContext) -> None:
     """Make the calling thread `job`'s main thread: its state and working directory."""
     job.thread_id = threading.get_ident()
+    if job.path is None:
+        launcher_path = sys.__dict__["path"]
+        job.path = [*job.local_roots, *(p for p in launcher_path if p not in job.local_roots)]
     _local.job = job
     own_working_directory(job.cwd)
 
@@ -217,55 +227,6 @@ class _MainModule(types.ModuleType):
         return repr(self._wwrun_target())
 
 
-class _ThreadArgv(collections.abc.MutableSequence):
-    """`sys.argv`: the current job's argv, else the launcher's."""
-
-    def __init__(self, original: list):
-        self._original = original
-
-    def _target(self) -> list:
-        job = current_job()
-        return job.argv if job else self._original
-
-    def __getitem__(self, i):
-        return self._target()[i]
-
-    def __setitem__(self, i, value):
-        self._target()[i] = value
-
-    def __delitem__(self, i):
-        del self._target()[i]
-
-    def __len__(self):
-        return len(self._target())
-
-    def insert(self, i, value):
-        self._target().insert(i, value)
-
-    def __iter__(self):
-        return iter(self._target())
-
-    def __eq__(self, other):
-        return self._target() == (list(other) if isinstance(other, _ThreadArgv) else other)
-
-    def __add__(self, other):
-        return self._target() + list(other)
-
-    def __radd__(self, other):
-        return list(other) + self._target()
-
-    def copy(self):
-        return list(self._target())
-
-    def __repr__(self):
-        return repr(self._target())
-
-    def __reduce__(self):  # pickles (multiprocessing spawn) as the plain list it shows
-        return (list, (list(self._target()),))
-
-    __hash__ = None
-
-
 class _ThreadEnviron(collections.abc.MutableMapping):
     """`os.environ`: the current job's environment, else the process's real one.
 
@@ -273,12 +234,9 @@ class _ThreadEnviron(collections.abc.MutableMapping):
     `_fork_exec`), not C-level `getenv` or other jobs.
     """
 
-    def __init__(self, original):
-        self._original = original
-
     def _target(self):
         job = current_job()
-        return job.environ if job else self._original
+        return job.environ if job else _originals["os.environ"]
 
     def __getitem__(self, key):
         return self._target()[key]
@@ -305,47 +263,77 @@ class _ThreadEnviron(collections.abc.MutableMapping):
 
 
 class _ThreadStream(io.TextIOBase):
-    """`sys.stdin/stdout/stderr`: the current job's stream, else the original."""
+    """`sys.stdin/stdout/stderr` as C code sees them (`print`, `input`, tracebacks) and
+    as objects that kept a reference see them: the current job's stream, else the
+    original.
 
-    def __init__(self, which: str, original):
+    A job that rebound the name (`sys.stdout = Tee(sys.stdout)`) gets its object here;
+    when that object writes into the view it wrapped, the write goes on to the job's
+    own stream (a per-thread re-entry flag), not round again.
+    """
+
+    def __init__(self, which: str):
         self._which = which
-        self._original = original
 
     def _target(self):
         job = current_job()
-        return getattr(job, self._which) if job else self._original
+        if job is None:
+            return _originals[self._which]
+        rebound = job.rebound.get(self._which)
+        if rebound is None or self._which in _inside_rebound():
+            return getattr(job, self._which)
+        return rebound
+
+    def _call(self, method: str, *args):
+        job = current_job()
+        if job is None:
+            return getattr(_originals[self._which], method)(*args)
+        rebound, inside = job.rebound.get(self._which), _inside_rebound()
+        if rebound is None or self._which in inside:
+            return getattr(getattr(job, self._which), method)(*args)
+        inside.add(self._which)
+        try:
+            return getattr(rebound, method)(*args)
+        finally:
+            inside.discard(self._which)
 
     def write(self, text):
-        return self._target().write(text)
+        return self._call("write", text)
 
     def writelines(self, lines):
-        self._target().writelines(lines)
+        return self._call("writelines", lines)
 
     def flush(self):
-        self._target().flush()
+        return self._call("flush")
 
     def read(self, *args):
-        return self._target().read(*args)
+        return self._call("read", *args)
 
     def readline(self, *args):
-        return self._target().readline(*args)
+        return self._call("readline", *args)
+
+    def readlines(self, *args):
+        return self._call("readlines", *args)
+
+    def __iter__(self):
+        return iter(self._target())
 
     def fileno(self):
-        return self._target().fileno()
+        return self._call("fileno")
 
     def isatty(self):
-        return self._target().isatty()
+        return self._call("isatty")
 
     def readable(self):
-        return self._target().readable()
+        return self._call("readable")
 
     def writable(self):
-        return self._target().writable()
+        return self._call("writable")
 
     def close(self):  # `exit()` closes sys.stdin: only the job's copy
         job = current_job()
         if job:
-            getattr(job, self._which).close()
+            self._call("close")
 
     @property
     def closed(self):
@@ -365,6 +353,83 @@ class _ThreadStream(io.TextIOBase):
 
     def __getattr__(self, name):
         return getattr(self._target(), name)
+
+
+def _inside_rebound() -> set:
+    inside = getattr(_local, "inside_rebound", None)
+    if inside is None:
+        inside = _local.inside_rebound = set()
+    return inside
+
+
+# ---------------------------------------------------------------------------------
+# Per-job names of the `sys` and `os` modules
+
+
+class _PerJobName:
+    """A name of `sys` or `os` that each job reads and rebinds on its own.
+
+    A data descriptor on the module's class: Python code's `sys.argv`, `sys.argv =
+    [...]`, `from os import environ` reach it; the module's dict keeps what C code and
+    the module's own functions read (`print` finds the `_ThreadStream`, `os.getenv` the
+    `_ThreadEnviron`). In a job the value is the job's own plain object (a real list or
+    dict: `json.dumps`, pickle and `torch.save` see nothing of wwrun); elsewhere it is
+    the launcher's, unchanged.
+    """
+
+    def __init__(self, field: str, launcher_key: str | None = None):
+        self.field = field
+        self.launcher_key = launcher_key
+        """Key in `_originals` of the launcher's value, when the module's dict holds a view."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        job = current_job()
+        if job is None:
+            if self.launcher_key is not None:
+                return _originals[self.launcher_key]
+            return module.__dict__[self.name]
+        if self.field in _STREAMS:
+            rebound = job.rebound.get(self.field)
+            return module.__dict__[self.name] if rebound is None else rebound
+        return getattr(job, self.field)
+
+    def __set__(self, module, value):
+        job = current_job()
+        if job is None:
+            if self.launcher_key is None:
+                module.__dict__[self.name] = value
+            elif value is not module.__dict__[self.name]:  # (restoring the view itself)
+                _originals[self.launcher_key] = value
+        elif self.field in _STREAMS:
+            if value is module.__dict__[self.name]:
+                job.rebound.pop(self.field, None)
+            else:
+                job.rebound[self.field] = value
+        else:
+            setattr(job, self.field, value)
+
+    def __delete__(self, module):
+        raise AttributeError(f"wwrun keeps {self.name!r} per job: it cannot be deleted")
+
+
+_STREAMS = ("stdin", "stdout", "stderr")
+
+
+class _SysModule(types.ModuleType):
+    argv = _PerJobName("argv")
+    path = _PerJobName("path")
+    stdin = _PerJobName("stdin", "stdin")
+    stdout = _PerJobName("stdout", "stdout")
+    stderr = _PerJobName("stderr", "stderr")
+
+
+class _OsModule(types.ModuleType):
+    environ = _PerJobName("environ", "os.environ")
 
 
 # ---------------------------------------------------------------------------------
@@ -599,16 +664,17 @@ def install() -> None:
         main = sys.modules["__main__"]
         if not isinstance(main, _MainModule):
             sys.modules["__main__"] = _MainModule(main)
-        if not isinstance(sys.argv, _ThreadArgv):
-            sys.argv = _ThreadArgv(sys.argv)
-        if not isinstance(os.environ, _ThreadEnviron):
-            _originals["os.environ"] = os.environ
-            os.environ = _ThreadEnviron(os.environ)
-        for name in ("stdin", "stdout", "stderr"):
-            stream = getattr(sys, name)
+        if not isinstance(os.__dict__["environ"], _ThreadEnviron):
+            _originals["os.environ"] = os.__dict__["environ"]
+            os.__dict__["environ"] = _ThreadEnviron()
+        for name in _STREAMS:
+            stream = sys.__dict__[name]
             if not isinstance(stream, _ThreadStream):
                 _originals[name] = stream
-                setattr(sys, name, _ThreadStream(name, stream))
+                sys.__dict__[name] = _ThreadStream(name)
+        # Last: from here on `sys.stdout` etc. in Python code go through _PerJobName.
+        sys.__class__ = _SysModule
+        os.__class__ = _OsModule
         if not any(isinstance(f, _JobLocalFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _JobLocalFinder())
 
