@@ -222,3 +222,14 @@ def test_rebinding_process_wide_names_stays_in_the_job(tmp_path):
         assert f"restored {name}" in out and "restored" not in tee
     assert "--who=a" not in sys.argv and "WHO" not in os.environ
     assert not any(p.startswith("/nonexistent") for p in sys.path)
+
+
+def test_memory_of_ended_jobs_is_returned(tmp_path):
+    # Each hog keeps a tensor in a module global; by the time the watcher runs, every
+    # earlier hog has ended and its tensor must be gone (a weak reference, not RSS).
+    sys.modules.pop("_wwrun_test_hogs", None)
+    hogs = [job(f"hog{i}", "memory/hog.py", 16) for i in range(3)]
+    result = run(tmp_path, *hogs, job("watch", "memory/watch.py"), policy="sequential")
+    assert result.exit_code == 0, log(result, "watch", "stderr")
+    assert "hogs=3 alive=0" in log(result, "watch")
+    sys.modules.pop("_wwrun_test_hogs", None)

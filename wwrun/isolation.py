@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import ctypes
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -107,7 +108,36 @@ def enter(job: JobContext) -> None:
 
 
 def leave() -> None:
+    """The calling job thread is done with its job: hand back the job's memory."""
+    job = current_job()
     _local.job = None
+    if job is not None:
+        release(job)
+
+
+def release(job: JobContext) -> None:
+    """Drop what the ended job's code left alive: its `__main__` namespace, its private
+    modules, its handlers and rebound streams, so that its tensors are freed as they
+    would be when `python script.py` exits. A long sequential sweep then runs in the
+    memory of one job, not of all of them.
+
+    Namespaces are emptied (as Python empties modules at exit) unless a thread the job
+    started still runs and may need them; then only the references are dropped.
+    """
+    namespaces = [job.main.__dict__, *(m.__dict__ for m in job.modules.values())]
+    job.main = types.ModuleType("__main__")
+    job.modules = {}
+    job.atexit_handlers.clear()
+    job.signal_handlers.clear()
+    job.rebound.clear()
+    job.threads[:] = [t for t in job.threads if t.is_alive()]
+    if not job.threads:
+        for namespace in namespaces:
+            namespace.clear()
+    del namespaces
+    # Script namespaces are reference cycles (a function's __globals__): collect them
+    # now, since a few large tensors allocate too few objects to trigger the collector.
+    gc.collect()
 
 
 def find_spec(job: JobContext, name: str):
