@@ -233,3 +233,18 @@ def test_memory_of_ended_jobs_is_returned(tmp_path):
     assert result.exit_code == 0, log(result, "watch", "stderr")
     assert "hogs=3 alive=0" in log(result, "watch")
     sys.modules.pop("_wwrun_test_hogs", None)
+
+
+def test_closing_standard_fds_in_a_job_leaves_the_console_to_the_others(tmp_path):
+    # Through the CLI in a subprocess: os.close(1) there would close pytest's own fd.
+    report = tmp_path / "closed"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"),
+         str(SCRIPTS / "close_std.py"), str(report), ":",
+         str(SCRIPTS / "wait_then_print.py"), str(report), "talker still heard"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert report.read_text() == "print raised errno 9"  # EBADF, as under python
+    assert "[wait_then_print] talker still heard" in done.stdout
+    assert "closer before" in done.stdout and "closer after" not in done.stdout

@@ -19,6 +19,7 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
     atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
+    os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import ctypes
+import errno
 import gc
 import importlib.abc
 import importlib.machinery
@@ -637,6 +639,40 @@ def _os_exit(code):
     _originals["os._exit"](code)
 
 
+def _os_close(fd):
+    """`os.close(1)` in a job closes that job's stdout, not the process's: the fd is the
+    launcher's console (and the job's own pipe is the launcher's to close)."""
+    job = current_job()
+    name = _standard_stream(job, fd) if job is not None else None
+    if name is None:
+        return _originals["os.close"](fd)
+    if isinstance(job.rebound.get(name), _ClosedStream):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    job.rebound[name] = _ClosedStream()
+    return None
+
+
+def _standard_stream(job: JobContext, fd: int) -> str | None:
+    """'stdin', 'stdout' or 'stderr' if `fd` is one of the job's standard streams."""
+    if 0 <= fd <= 2:
+        return _STREAMS[fd]
+    if fd == job.stdout_fd:
+        return "stdout"
+    if fd == job.stderr_fd:
+        return "stderr"
+    return None
+
+
+class _ClosedStream(io.TextIOBase):
+    """What a job's sys.stdout/stderr/stdin become once it closed the fd: every use
+    fails as on a closed descriptor under `python`."""
+
+    def _fail(self, *args):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    write = writelines = flush = read = readline = fileno = isatty = _fail
+
+
 def _thread_start(self):
     self._wwrun_job = job = current_job()
     if job is not None:
@@ -724,6 +760,7 @@ def _patch_functions() -> None:
         "signal.signal": signal.signal,
         "signal.getsignal": signal.getsignal,
         "os._exit": os._exit,
+        "os.close": os.close,
         "Thread.start": threading.Thread.start,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
         "fork_exec": _posixsubprocess.fork_exec,
@@ -734,6 +771,7 @@ def _patch_functions() -> None:
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
     os._exit = _os_exit
+    os.close = _os_close
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     _posixsubprocess.fork_exec = _fork_exec
