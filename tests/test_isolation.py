@@ -248,3 +248,65 @@ def test_closing_standard_fds_in_a_job_leaves_the_console_to_the_others(tmp_path
     assert report.read_text() == "print raised errno 9"  # EBADF, as under python
     assert "[wait_then_print] talker still heard" in done.stdout
     assert "closer before" in done.stdout and "closer after" not in done.stdout
+
+
+@pytest.fixture
+def fresh_circular():
+    saved = sys.getswitchinterval()
+    for name in [n for n in sys.modules if n.split(".")[0] == "circular"]:
+        del sys.modules[name]
+    yield
+    sys.setswitchinterval(saved)
+    for name in [n for n in sys.modules if n.split(".")[0] == "circular"]:
+        del sys.modules[name]
+
+
+def test_jobs_importing_a_circular_package_at_once_see_it_whole(tmp_path, fresh_circular):
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    entries = ["circular.a", "circular.b"] * 2
+    result = run(
+        tmp_path,
+        *(job(f"i{i}", "imports/import_race.py", entry, rendezvous, len(entries)) for i, entry in enumerate(entries)),
+        policy="concurrent",
+    )
+    errors = {f"i{i}": log(result, f"i{i}", "stderr") for i in range(len(entries))}
+    assert result.exit_code == 0, errors
+    for i, entry in enumerate(entries):
+        late = "A_LATE" if entry.endswith("a") else "B_LATE"
+        assert f"imported {entry} late=['{late}']" in log(result, f"i{i}")
+    # One job at a time ran the package's modules: no job's run interleaves another's.
+    order = [name for name, _, _ in sys.modules["circular"].events]
+    runs = [name for k, name in enumerate(order) if k == 0 or order[k - 1] != name]
+    assert len(runs) == len(set(runs)), order
+
+
+def test_jobs_first_using_torch_inductor_at_once_all_import_it(tmp_path):
+    # The failure seen with three jobs whose first AdamW/torch.compile imported
+    # torch._inductor together; a fresh process, as torch._inductor must not be loaded.
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    modules = ["torch._inductor.utils", "torch._inductor.codegen.common", "torch._inductor.compile_fx"]
+    command = [sys.executable, "-m", "wwrun", "--policy", "concurrent", "--log-dir", str(tmp_path / "logs")]
+    for i, module in enumerate(modules):
+        command += [*([":"] if i else []), str(SCRIPTS / "imports" / "import_race.py"), module, str(rendezvous), "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_modules_made_after_install_keep_plain_attributes():
+    # importlib makes modules with type(sys)(name): sys's per-job names must not
+    # reach them (matplotlib.path once read as the job's sys.path).
+    import importlib.util
+    import types
+
+    from wwrun import isolation
+
+    isolation.install()
+    for module in (type(sys)("made_by_type_of_sys"), importlib.util.module_from_spec(
+        importlib.util.spec_from_loader("made_by_importlib", loader=None)
+    )):
+        assert not hasattr(module, "path")
+        module.path, module.argv = "p", "a"
+        assert (module.path, module.argv) == ("p", "a")
+    assert type(importlib.util.module_from_spec(importlib.util.spec_from_loader("x", loader=None))) is types.ModuleType

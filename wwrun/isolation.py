@@ -22,6 +22,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`
+    first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
+                       initialized module across jobs)
 
 Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
 `sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
@@ -39,6 +41,7 @@ import collections.abc
 import ctypes
 import errno
 import gc
+import importlib._bootstrap
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -89,6 +92,8 @@ class JobContext:
     path: list[str] | None = None
     """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
     rebound: dict = field(default_factory=dict)
+    load_lock: threading.RLock = field(default_factory=threading.RLock)
+    """Guards `modules` while the job's threads load its private modules."""
     """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     atexit_handlers: list = field(default_factory=list)
     signal_handlers: dict = field(default_factory=dict)
@@ -409,7 +414,8 @@ class _PerJobName:
     the launcher's, unchanged.
     """
 
-    def __init__(self, field: str, launcher_key: str | None = None):
+    def __init__(self, module: types.ModuleType, field: str, launcher_key: str | None = None):
+        self.module = module
         self.field = field
         self.launcher_key = launcher_key
         """Key in `_originals` of the launcher's value, when the module's dict holds a view."""
@@ -420,6 +426,11 @@ class _PerJobName:
     def __get__(self, module, owner=None):
         if module is None:
             return self
+        if module is not self.module:  # another module made by `type(sys)(name)`
+            try:
+                return module.__dict__[self.name]
+            except KeyError:
+                raise AttributeError(self.name) from None
         job = current_job()
         if job is None:
             if self.launcher_key is not None:
@@ -432,7 +443,9 @@ class _PerJobName:
 
     def __set__(self, module, value):
         job = current_job()
-        if job is None:
+        if module is not self.module:
+            module.__dict__[self.name] = value
+        elif job is None:
             if self.launcher_key is None:
                 module.__dict__[self.name] = value
             elif value is not module.__dict__[self.name]:  # (restoring the view itself)
@@ -446,6 +459,12 @@ class _PerJobName:
             setattr(job, self.field, value)
 
     def __delete__(self, module):
+        if module is not self.module:
+            try:
+                del module.__dict__[self.name]
+                return
+            except KeyError:
+                raise AttributeError(self.name) from None
         raise AttributeError(f"wwrun keeps {self.name!r} per job: it cannot be deleted")
 
 
@@ -453,15 +472,15 @@ _STREAMS = ("stdin", "stdout", "stderr")
 
 
 class _SysModule(types.ModuleType):
-    argv = _PerJobName("argv")
-    path = _PerJobName("path")
-    stdin = _PerJobName("stdin", "stdin")
-    stdout = _PerJobName("stdout", "stdout")
-    stderr = _PerJobName("stderr", "stderr")
+    argv = _PerJobName(sys, "argv")
+    path = _PerJobName(sys, "path")
+    stdin = _PerJobName(sys, "stdin", "stdin")
+    stdout = _PerJobName(sys, "stdout", "stdout")
+    stderr = _PerJobName(sys, "stderr", "stderr")
 
 
 class _OsModule(types.ModuleType):
-    environ = _PerJobName("environ", "os.environ")
+    environ = _PerJobName(os, "environ", "os.environ")
 
 
 # ---------------------------------------------------------------------------------
@@ -519,7 +538,6 @@ class _SharedName(types.ModuleType):
 _IMPORT_ATTRS = frozenset(
     {"__name__", "__spec__", "__loader__", "__package__", "__path__", "__file__", "__cached__"}
 )
-_load_lock = threading.RLock()
 
 
 def _find_private_spec(job: JobContext, name: str):
@@ -535,7 +553,7 @@ def _find_private_spec(job: JobContext, name: str):
 
 def _load_private(job: JobContext, name: str):
     """Load the job's own copy of `name`, or None if its folders hold no such module."""
-    with _load_lock:
+    with job.load_lock:
         if name in job.modules:
             return job.modules[name]
         spec = _find_private_spec(job, name)
@@ -685,6 +703,60 @@ def _thread_bootstrap_inner(self):
     return _originals["Thread._bootstrap_inner"](self)
 
 
+class _FirstImportLock:
+    """One job at a time runs first imports (module code not yet in sys.modules).
+
+    Python's per-module import locks let two threads that import a package with
+    circular imports from different ends deadlock; Python then hands one of them a
+    partially initialized module or raises `_DeadlockError` ("cannot import name
+    'IndentedBuffer' from partially initialized module 'torch._inductor.utils'").
+    Alone, a script never meets this. Held per job, not per thread: a job whose import
+    starts a thread that imports goes on as under `python`. After `_IMPORT_WAIT_S`
+    a waiter gives up and imports under Python's own locks, so a module that blocks
+    at import on another job (or forever) cannot stall every job's imports.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner = None
+        self._depth = 0
+
+    def acquire(self, owner, timeout: float) -> bool:
+        with self._cond:
+            if self._owner is not None and self._owner is not owner:
+                if not self._cond.wait_for(lambda: self._owner is None, timeout):
+                    return False
+            self._owner = owner
+            self._depth += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+
+_IMPORT_WAIT_S = 60.0
+_first_import_lock = _FirstImportLock()
+
+
+def _find_and_load(name, import_):
+    """importlib's `_find_and_load` (what every import not found in sys.modules runs),
+    one job at a time."""
+    find_and_load = _originals["_find_and_load"]
+    job = current_job()
+    if job is None or name in sys.modules:
+        return find_and_load(name, import_)
+    if not _first_import_lock.acquire(job, _IMPORT_WAIT_S):
+        return find_and_load(name, import_)
+    try:
+        return find_and_load(name, import_)
+    finally:
+        _first_import_lock.release()
+
+
 # _posixsubprocess.fork_exec's leading positional parameters (stable since 3.2).
 _ENV, _C2PWRITE, _ERRWRITE = 5, 9, 11
 
@@ -739,6 +811,8 @@ def install() -> None:
                 _originals[name] = stream
                 sys.__dict__[name] = _ThreadStream(name)
         # Last: from here on `sys.stdout` etc. in Python code go through _PerJobName.
+        # importlib makes new modules with `type(sys)(name)`: keep those plain.
+        importlib._bootstrap._new_module = types.ModuleType
         sys.__class__ = _SysModule
         os.__class__ = _OsModule
         if not any(isinstance(f, _JobLocalFinder) for f in sys.meta_path):
@@ -754,7 +828,10 @@ def _patch_functions() -> None:
     import multiprocessing.util  # noqa: F401
     import subprocess
 
+    import importlib._bootstrap
+
     _originals.update({
+        "_find_and_load": importlib._bootstrap._find_and_load,
         "atexit.register": atexit.register,
         "atexit.unregister": atexit.unregister,
         "signal.signal": signal.signal,
@@ -772,6 +849,7 @@ def _patch_functions() -> None:
     signal.getsignal = _signal_getsignal
     os._exit = _os_exit
     os.close = _os_close
+    importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     _posixsubprocess.fork_exec = _fork_exec
