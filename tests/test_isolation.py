@@ -310,3 +310,28 @@ def test_modules_made_after_install_keep_plain_attributes():
         module.path, module.argv = "p", "a"
         assert (module.path, module.argv) == ("p", "a")
     assert type(importlib.util.module_from_spec(importlib.util.spec_from_loader("x", loader=None))) is types.ModuleType
+
+
+def test_a_lone_job_reads_the_launchers_stdin(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "read_stdin.py")],
+        input="hello from the pipe\n", capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "read 'hello from the pipe'" in done.stdout
+    assert "then end of file" in done.stdout
+
+
+def test_with_several_jobs_only_the_stdin_job_reads_it(tmp_path):
+    script = SCRIPTS / "read_stdin.py"
+    recipe = tmp_path / "stdin.yaml"
+    recipe.write_text(
+        f"jobs:\n  - {{name: reader, script: {script}, stdin: true}}\n  - {{name: other, script: {script}}}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"), str(recipe)],
+        input="only for the reader\n", capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[reader] read 'only for the reader'" in done.stdout
+    assert "[other] read ''" in done.stdout

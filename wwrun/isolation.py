@@ -15,7 +15,9 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.environ         launcher env + job env + WWRUN_*   `_PerJobName` on os's class (a plain
                        (a plain dict)                     dict), `_ThreadEnviron` for os.getenv
     stdin/out/err      the job's pipes (logs, display),   `_PerJobName` + `_ThreadStream`
-                       or what the job assigned (a Tee)
+                       or what the job assigned (a Tee);
+                       stdin: the launcher's for a lone   `job_stdin`
+                       job or the `stdin: true` one
     working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
     atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
@@ -151,6 +153,28 @@ def find_spec(job: JobContext, name: str):
     """`importlib.util.find_spec` as seen from the job: its own folders first."""
     spec = _find_private_spec(job, name)
     return spec if spec is not None else importlib.util.find_spec(name)
+
+
+def job_stdin(reads_launcher_stdin: bool) -> io.TextIOBase:
+    """A job's standard input: the launcher's own (a lone job, or the one job of a
+    recipe with `stdin: true`), else end of file as from /dev/null.
+
+    A new reader over fd 0 that never closes it: the job may close its sys.stdin, and
+    the launcher closes the job's copy when it ends.
+    """
+    if reads_launcher_stdin:
+        original = _originals.get("stdin", sys.__stdin__)
+        try:
+            raw = io.FileIO(0, "r", closefd=False)
+        except OSError:  # no fd 0 (started with stdin closed)
+            pass
+        else:
+            return io.TextIOWrapper(
+                io.BufferedReader(raw),
+                encoding=getattr(original, "encoding", None) or "utf-8",
+                errors=getattr(original, "errors", None) or "strict",
+            )
+    return open(os.devnull)  # noqa: SIM115 - the launcher closes it when the job ends
 
 
 def process_environ():

@@ -46,7 +46,7 @@ OPTION_KEYS = (
 )
 JOB_KEYS = (
     "name", "script", "module", "args", "env", "cwd", "priority", "memory_limit",
-    "repeat", "sweep",
+    "stdin", "repeat", "sweep",
 )
 SWEEP_KEYS = ("grid", "zip")
 
@@ -213,6 +213,7 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     memory_limit = (
         _size(given["memory_limit"], f"{where}.memory_limit") if "memory_limit" in given else None
     )
+    stdin = _boolean(given.get("stdin", False), f"{where}.stdin")
     repeat = _integer(given.get("repeat", 1), f"{where}.repeat")
     points = _read_sweep(given.get("sweep"), f"{where}.sweep")
     _check_placeholders(template, args, points[0], given.get("sweep"), where)
@@ -226,7 +227,7 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
                     name=_job_name(template, point, index, repeat),
                     script=script, module=module, cwd=cwd, env=dict(env),
                     args=[_fill(arg, values) for arg in args],
-                    priority=priority, memory_limit=memory_limit,
+                    priority=priority, memory_limit=memory_limit, stdin=stdin,
                 )
             except ConfigError as err:
                 raise err.within(where) from None
@@ -465,6 +466,7 @@ def _dump_job(job: JobSpec) -> dict:
         "cwd": os.path.abspath(job.cwd) if job.cwd is not None else None,
         "priority": job.priority,
         "memory_limit": _dump_option(job.memory_limit),
+        **({"stdin": True} if job.stdin else {}),
     }
 
 
