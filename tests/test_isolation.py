@@ -344,3 +344,18 @@ def test_a_jobs_non_daemon_threads_finish_their_work(tmp_path):
     assert "daemon worker=False helper=True" in log(result, "bg")  # as under python
     assert result_file.read_text() == "trained 3.0"
     assert "thread done" in log(result, "bg")
+
+
+def test_conflicting_process_wide_settings_are_named_once(tmp_path):
+    script = str(SCRIPTS / "settings.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"),
+         script, "high", "on", "INFO", ":", script, "highest", "on", "INFO", ":", script, "medium", "on", "INFO"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "is process-wide" in line]
+    assert len(warnings) == 1, done.stderr  # the same benchmark and level everywhere: no warning
+    assert "torch.set_float32_matmul_precision" in warnings[0]
+    for name, value in (("settings", "high"), ("settings-2", "highest")):
+        assert f"{name}='{value}'" in warnings[0]

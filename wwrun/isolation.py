@@ -33,8 +33,10 @@ Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
 are real `list`/`dict` objects, so `json.dumps(sys.argv)`, `os.environ | {}` and
 `torch.save({'argv': sys.argv})` behave as under `python`.
 
-What stays shared (documented for users): C-level `getenv`, the global RNG, torch's
-global flags, `logging`'s root configuration, warning filters.
+What stays shared (documented for users): C-level `getenv`, torch's global flags
+(cuDNN, TF32, matmul precision, default dtype, intra-op threads, deterministic
+algorithms), `logging`'s root configuration, warning filters: `settings_watch` warns
+once when jobs set one of them to different values.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 
 _local = threading.local()
@@ -115,6 +118,8 @@ def enter(job: JobContext) -> None:
         launcher_path = sys.__dict__["path"]
         job.path = [*job.local_roots, *(p for p in launcher_path if p not in job.local_roots)]
     _local.job = job
+    with _install_lock:  # torch is imported by now (the launcher chose the device)
+        _watch_settings()
     own_working_directory(job.cwd)
 
 
@@ -848,6 +853,100 @@ def _get_preparation_data(name):
     if job is not None:
         data["sys_path"] = [*job.local_roots, *data["sys_path"]]
     return data
+
+
+# ---------------------------------------------------------------------------------
+# Process-wide settings no per-job view can hold
+
+
+class _SettingsWatch:
+    """Says once, per setting, which jobs' own code set different values of a
+    process-wide setting (a torch flag, the default dtype, logging's level, warning
+    filters): they then all run with one of them (the last set; for
+    `logging.basicConfig`, the first), not each with its own.
+
+    Per job already: `torch.set_default_device` (thread-local in torch), grad mode,
+    autocast. The rest is read by C++ kernels from one global and cannot be per job.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict[str, weakref.WeakKeyDictionary] = {}
+        self._warned: set[str] = set()
+
+    def note(self, setting: str, value) -> None:
+        job = current_job()
+        if job is None:
+            return
+        with self._lock:
+            by_job = self._values.setdefault(setting, weakref.WeakKeyDictionary())
+            by_job[job] = repr(value)
+            if setting in self._warned or len(set(by_job.values())) < 2:
+                return
+            self._warned.add(setting)
+            jobs = ", ".join(f"{j.name}={v}" for j, v in by_job.items())
+        print(
+            f"wwrun: warning: {setting} is process-wide and jobs set it differently ({jobs}): "
+            "they share one value, not each its own",
+            file=original_stderr(),
+            flush=True,
+        )
+
+
+settings_watch = _SettingsWatch()
+
+
+def _watch_call(owner, name: str, setting: str, value_of=lambda args, kwargs: args[0] if args else kwargs):
+    original = getattr(owner, name)
+    if getattr(original, "_wwrun_watched", False):
+        return
+
+    def watched(*args, **kwargs):
+        job = current_job()
+        if job is not None and _called_from_job_code(job):  # not a library's own filters
+            settings_watch.note(setting, value_of(args, kwargs))
+        return original(*args, **kwargs)
+
+    watched._wwrun_watched = True
+    watched.__wrapped__ = original
+    setattr(owner, name, watched)
+
+
+def _watch_flags(module, prefix: str, names: tuple[str, ...]) -> None:
+    """Watch `module.<name> = value` for flag modules of torch.backends."""
+    cls = type(module)
+    original = cls.__setattr__
+    if getattr(original, "_wwrun_watched", False):
+        return
+
+    def watched_setattr(self, name, value):
+        job = current_job()
+        if name in names and job is not None and _called_from_job_code(job):
+            settings_watch.note(f"{prefix}.{name}", value)
+        return original(self, name, value)
+
+    watched_setattr._wwrun_watched = True
+    cls.__setattr__ = watched_setattr
+
+
+def _watch_settings() -> None:
+    import logging
+    import warnings
+
+    _watch_call(logging, "basicConfig", "logging.basicConfig(level=...)", lambda a, k: k.get("level"))
+    _watch_call(warnings, "simplefilter", "warnings filters", lambda a, k: (a, k))
+    _watch_call(warnings, "filterwarnings", "warnings filters", lambda a, k: (a, k))
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in ("set_default_dtype", "set_float32_matmul_precision", "set_num_threads",
+                 "use_deterministic_algorithms"):
+        _watch_call(torch, name, f"torch.{name}")
+    import torch.backends.cuda
+    import torch.backends.cudnn
+
+    _watch_flags(torch.backends.cudnn, "torch.backends.cudnn", ("benchmark", "deterministic", "allow_tf32"))
+    _watch_flags(torch.backends.cuda.matmul, "torch.backends.cuda.matmul", ("allow_tf32",))
 
 
 _originals: dict = {}
