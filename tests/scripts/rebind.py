@@ -46,10 +46,12 @@ while len(os.listdir(rendezvous)) < jobs:
 
 print(f"argv={sys.argv} json={json.dumps(sys.argv)}")
 print(f"environ={os.environ['WHO']} {os.getenv('WHO2')} merged={(os.environ | {'X': '1'})['WHO']}")
-print(f"path0={sys.path[0]} types={type(sys.argv).__name__},{type(sys.path).__name__},{type(os.environ).__name__}")
+types = ",".join(type(value).__name__ for value in (sys.argv, sys.path, os.environ))
+print(f"path0={sys.path[0]} types={types}")
 saved = io.BytesIO()
 torch.save({"argv": sys.argv, "path": sys.path, "env": os.environ}, saved)
-plain = all(b"wwrun.isolation" not in blob for blob in (saved.getvalue(), pickle.dumps([sys.argv, sys.path, os.environ])))
+blobs = (saved.getvalue(), pickle.dumps([sys.argv, sys.path, os.environ]))
+plain = all(b"wwrun.isolation" not in blob for blob in blobs)
 print(f"plain={plain}")
 tee = sys.stdout
 sys.stdout = tee.terminal
