@@ -337,15 +337,6 @@ def test_with_several_jobs_only_the_stdin_job_reads_it(tmp_path):
     assert "[other] read ''" in done.stdout
 
 
-def test_a_jobs_non_daemon_threads_finish_their_work(tmp_path):
-    result_file = tmp_path / "result.txt"
-    result = run(tmp_path, job("bg", "background_thread.py", result_file), job("other", "ending.py", "ok"))
-    assert result.exit_code == 0, log(result, "bg", "stderr")
-    assert "daemon worker=False helper=True" in log(result, "bg")  # as under python
-    assert result_file.read_text() == "trained 3.0"
-    assert "thread done" in log(result, "bg")
-
-
 def test_conflicting_process_wide_settings_are_named_once(tmp_path):
     script = str(SCRIPTS / "settings.py")
     done = subprocess.run(

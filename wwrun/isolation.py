@@ -23,8 +23,7 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
-    threads            inherit the job of their starter;  patched `threading.Thread.start`,
-                       non-daemon by default, waited for  `__init__`; `join_threads`
+    threads            inherit the job of their starter   patched `threading.Thread.start`
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
                        initialized module across jobs)
 
@@ -55,7 +54,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -722,45 +720,6 @@ class _ClosedStream(io.TextIOBase):
     write = writelines = flush = read = readline = fileno = isatty = _fail
 
 
-def _thread_init(self, *args, **kwargs):
-    """A thread made by a job's main thread is non-daemon unless asked otherwise, as
-    one made by a script's main thread is (job threads themselves are daemon threads
-    of the launcher); the job then ends only when it ends, see `join_threads`.
-    Thread-pool workers stay daemon: Python stops them at exit, not by joining."""
-    _originals["Thread.__init__"](self, *args, **kwargs)
-    job = current_job()
-    if (
-        job is not None
-        and kwargs.get("daemon") is None
-        and threading.get_ident() == job.thread_id
-        and getattr(self, "_target", None) is not _pool_worker()
-    ):
-        self._daemonic = False
-
-
-def _pool_worker():
-    pool = sys.modules.get("concurrent.futures.thread")
-    return getattr(pool, "_worker", None)
-
-
-def join_threads(job: JobContext, timeout: float | None = None) -> list[threading.Thread]:
-    """Wait, as Python does at exit, for the non-daemon threads the job started (and
-    those they started); give up after `timeout` seconds in all. Returns the threads
-    still running (empty when all ended)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        waiting = [
-            t for t in list(job.threads)
-            if t.is_alive() and not t.daemon and t is not threading.current_thread()
-        ]
-        if not waiting:
-            return []
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            return waiting
-        waiting[0].join(remaining)
-
-
 def _thread_start(self):
     self._wwrun_job = job = current_job()
     if job is not None:
@@ -1003,7 +962,6 @@ def _patch_functions() -> None:
         "os._exit": os._exit,
         "os.close": os.close,
         "Thread.start": threading.Thread.start,
-        "Thread.__init__": threading.Thread.__init__,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
         "fork_exec": _posixsubprocess.fork_exec,
         "get_preparation_data": multiprocessing.spawn.get_preparation_data,
@@ -1016,7 +974,6 @@ def _patch_functions() -> None:
     os.close = _os_close
     importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
-    threading.Thread.__init__ = _thread_init
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
