@@ -4,6 +4,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,11 +233,16 @@ def test_model_too_large_for_the_limit_fails_before_any_forward():
     assert engine._jobs["a"].retained == 0 and engine._jobs["a"].passes == 1
 
 
-def test_global_hooks_are_removed_once_models_are_found():
+def test_the_engine_leaves_nothing_on_the_user_s_modules():
+    """Its hooks are global and its bookkeeping in weak maps: a module it adopted
+    pickles, deep-copies (into a plain model) and scripts as without wwrun."""
+    import copy
+    import io
+
     from torch.nn.modules import module as torch_module
 
     engine = Engine(None, "waterwave")
-    seen = []
+    seen = {}
 
     def body():
         engine.job_started("a")
@@ -246,15 +252,31 @@ def test_global_hooks_are_removed_once_models_are_found():
             for _ in range(2):
                 model(torch.randn(4, 32)).sum().backward()
                 opt.step()
-                seen.append(len(torch_module._global_forward_pre_hooks))
+            seen["adopted"] = [m.module is model for m in engine._jobs["a"].models]
+            seen["hooks"] = [
+                (name, dict(sub._forward_pre_hooks), dict(sub._forward_hooks)) for name, sub in model.named_modules()
+                if sub._forward_pre_hooks or sub._forward_hooks
+            ]
+            torch.save(model, io.BytesIO())
+            twin = copy.deepcopy(model)
+            passes = engine._jobs["a"].passes
+            twin(torch.randn(4, 32))
+            seen["twin_is_plain"] = twin not in engine._roots and engine._jobs["a"].passes == passes
+            seen["scripted"] = torch.jit.script(model)(torch.ones(2, 32)).shape
         finally:
             engine.job_finished("a")
 
     t = threading.Thread(target=body)
     t.start()
-    t.join(30)
-    assert seen == [0, 0]
-    assert len(torch_module._global_forward_pre_hooks) == 0
+    t.join(60)
+    assert seen["adopted"] == [True]
+    assert seen["hooks"] == []
+    assert seen["twin_is_plain"]
+    assert tuple(seen["scripted"]) == (2, 10)
+    # Global hooks only while a job runs.
+    assert engine._global_handles == []
+    assert all(hook.__self__ is not engine for hook in torch_module._global_forward_pre_hooks.values()
+               if hasattr(hook, "__self__"))
 
 
 def test_trace_and_reports(tmp_path):
@@ -456,3 +478,59 @@ def test_an_evaluation_only_job_does_not_hold_back_the_queue():
     t.join(10)
     assert isinstance(results["train"], list)
     assert engine.job_report("train")["queued_s"] < 5
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _launch_jobs(tmp_path, script, count):
+    from wwrun import JobSpec, LaunchConfig
+    from wwrun.launcher import launch
+
+    jobs = [JobSpec(name=f"j{i}", script=str(SCRIPTS / script)) for i in range(count)]
+    result = launch(LaunchConfig(jobs=jobs, log_dir=str(tmp_path / "logs"), quiet=True))
+    logs = [(Path(result.log_dir) / f"j{i}" / "stdout.log").read_text() for i in range(count)]
+    return result, logs
+
+
+def test_an_adopted_model_pickles_copies_scripts_traces_and_exports_as_without_wwrun(tmp_path):
+    # Several jobs at once under the default policy: the engine adopts each model, and
+    # torch's tracers (not thread-safe in torch) meet each other.
+    result, logs = _launch_jobs(tmp_path, "engine_no_trace.py", 3)
+    assert result.exit_code == 0, result.to_dict()
+    for log in logs:
+        assert [line for line in log.splitlines() if not line.endswith(" ok")] == [], log
+        assert len(log.splitlines()) == 8
+
+
+def test_torch_compile_in_several_jobs_matches_python(tmp_path):
+    import subprocess
+    import sys
+
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "engine_compile.py")], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    expected = [line for line in alone.stdout.splitlines() if line.startswith("losses")]
+    result, logs = _launch_jobs(tmp_path, "engine_compile.py", 2)
+    assert result.exit_code == 0, result.to_dict()
+    for log in logs:
+        assert [line for line in log.splitlines() if line.startswith("losses")] == expected
+    # Still found and gated: each job's compiled model has a NodeGroup plan.
+    assert all(job.extra.get("nodegroups") for job in result.jobs), [job.extra for job in result.jobs]
+
+
+def test_a_job_that_fits_alone_waits_instead_of_failing(tmp_path):
+    """Three jobs of ~30 MiB each (Adam's state appears at their first step) under a
+    40 MiB limit: one at a time fits, and none fails for want of room beside the others."""
+    from wwrun import JobSpec, LaunchConfig
+    from wwrun.launcher import launch
+
+    mlp_script = str(Path(__file__).resolve().parents[1] / "recipes" / "examples" / "mlp.py")
+    args = ["--steps", "6", "--hidden", "1024", "--depth", "3", "--batch-size", "512"]
+    jobs = [JobSpec(name=f"mlp{i}", script=mlp_script, args=args) for i in range(3)]
+    result = launch(LaunchConfig(jobs=jobs, device="cpu", memory_limit=40 << 20,
+                                 log_dir=str(tmp_path / "logs"), quiet=True))
+    assert [job.state.value for job in result.jobs] == ["succeeded"] * 3, [job.error for job in result.jobs]
+    peaks = [job.extra["peak_memory_bytes"] for job in result.jobs]
+    assert sum(peaks) > 40 << 20  # they could not all run at once, so the test can fail
+    assert result.extra["peak_memory_bytes"] <= 40 << 20

@@ -325,3 +325,319 @@ def test_a_memory_limit_alone_selects_waterwave():
     one = [JobSpec(name="x", script=ENDING)]
     assert LaunchConfig(jobs=one).resolved_policy == "concurrent"
     assert LaunchConfig(jobs=one, memory_limit="1GiB").resolved_policy == "waterwave"
+
+
+def _launch_bounded(tmp_path, *jobs, limit=120, **options):
+    """Run in a helper thread so that a launcher that would hang fails the test."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(run(tmp_path, *jobs, **options)), daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), "the launcher is still waiting"
+    return results[0]
+
+
+def test_a_job_that_closed_its_stderr_and_failed_still_ends(tmp_path):
+    # Writing the traceback into the job's closed stderr raised in the job's thread,
+    # which died without reporting, and the launcher waited for it forever.
+    script = tmp_path / "closer.py"
+    script.write_text("import sys\nsys.stderr.close()\nraise RuntimeError('after closing stderr')\n")
+    result = _launch_bounded(tmp_path, JobSpec(name="closer", script=str(script)), ending("fine"))
+    closer, fine = result.jobs
+    assert (closer.state, closer.exit_code) == (JobState.FAILED, 1)
+    assert closer.error == "RuntimeError: after closing stderr"
+    assert fine.state == JobState.SUCCEEDED
+
+
+def test_the_launcher_never_waits_on_a_thread_that_has_ended(tmp_path, monkeypatch):
+    from wwrun import launcher
+
+    # A job thread that ends without a word (the worst case: no state, no notify).
+    monkeypatch.setattr(launcher._Runner, "_job_main", lambda self, job: None)
+    result = _launch_bounded(tmp_path, ending("silent"))
+    assert result.jobs[0].state == JobState.FAILED
+    assert "ended without reporting" in result.jobs[0].error
+
+
+def test_a_stream_view_collected_in_a_job_leaves_the_job_s_stream_open(tmp_path):
+    # The hang of issue 11: pytest swaps sys.stderr between tests, wwrun wraps the new
+    # one, and the old view, collected later in a job's thread, closed that job's
+    # stderr (IOBase's finalizer calls close()); the job's next write failed.
+    script = tmp_path / "stale.py"
+    script.write_text(
+        "import sys\n"
+        "view = type(sys.stderr)('stderr', sys.__stderr__)\n"
+        "del view\n"
+        "print('still here', file=sys.stderr)\n"
+    )
+    result = _launch_bounded(tmp_path, JobSpec(name="stale", script=str(script)))
+    assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
+    assert (Path(result.jobs[0].log_dir) / "stderr.log").read_text() == "still here\n"
+
+
+# -- issue 11 §3/§5: what sweep users expect ------------------------------------------
+
+FLAKY = str(SCRIPTS / "flaky.py")
+
+
+def flaky(name, counter, succeed_at, how="raise", **fields):
+    return JobSpec(name=name, script=FLAKY, args=[how, str(counter), str(succeed_at)], **fields)
+
+
+def test_every_run_writes_its_report_and_latest_points_at_it(tmp_path, capsys):
+    first = run(tmp_path, ending("a"), quiet=False)
+    second = run(tmp_path, ending("b", "exit3"), quiet=False)
+    err = capsys.readouterr().err
+    assert f"run {first.run_id}: logs in {first.log_dir}" in err  # said when the run starts
+    for result in (first, second):
+        report = json.loads((Path(result.log_dir) / "report.json").read_text())
+        assert report["run"]["run_id"] == result.run_id and report["run"]["state"] == "ended"
+    latest = tmp_path / "logs" / "latest"
+    assert latest.is_symlink() and latest.resolve() == Path(second.log_dir).resolve()
+    assert not (Path(second.log_dir) / "crash.log").exists()  # only after a crash
+
+
+def test_wwrun_show_prints_a_past_run(tmp_path):
+    result = run(tmp_path, ending("fine"), ending("bad", "exit3"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"run {result.run_id} (ended)" in shown.stdout
+    assert "bad" in shown.stdout and "exited with code 3" in shown.stdout
+    assert "root cause: bad (exit code 3)" in shown.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "nope", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_refused_run_leaves_no_log_folder(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--device", "cuda", "--log-dir", str(tmp_path / "logs"), ENDING],
+        capture_output=True, text=True, timeout=60,
+    )
+    if done.returncode == 0:
+        pytest.skip("a CUDA device is present")
+    assert done.returncode == 2
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_job_timeout_ends_that_job_alone_like_gnu_timeout(tmp_path):
+    result = run(tmp_path, ending("slow", "loop", timeout=1), ending("other", delay=0.2), grace_period_s=5)
+    slow, other = result.jobs
+    assert (slow.state, slow.exit_code) == (JobState.FAILED, 124)
+    assert slow.error == "timed out after 1s"
+    assert "got KeyboardInterrupt" in (Path(slow.log_dir) / "stdout.log").read_text()
+    assert other.state == JobState.SUCCEEDED
+    assert result.exit_code == 124 and result.root_cause == "slow"
+
+
+def test_a_job_ignoring_its_timeout_is_abandoned_after_the_grace_period(tmp_path):
+    result = run(tmp_path, ending("stubborn", "stubborn", timeout=0.5), grace_period_s=0.5)
+    (stubborn,) = result.jobs
+    assert (stubborn.state, stubborn.exit_code) == (JobState.FAILED, 124)
+    assert stubborn.error == "timed out after 0.5s (did not stop within the grace period)"
+
+
+def test_the_run_timeout_ends_every_job_and_cancels_the_queue(tmp_path):
+    result = run(
+        tmp_path, ending("a", "loop"), ending("b", "loop"), ending("later"),
+        max_concurrent=2, timeout=1, grace_period_s=5,
+    )
+    a, b, later = result.jobs
+    for job in (a, b):
+        assert (job.state, job.exit_code) == (JobState.FAILED, 124)
+        assert job.error == "the run timed out after 1s"
+    assert later.state == JobState.CANCELLED and later.started is None
+    assert result.exit_code == 124
+
+
+def test_a_failed_job_is_retried_with_each_attempt_logged_apart(tmp_path):
+    counter = tmp_path / "count"
+    events = tmp_path / "events.jsonl"
+    result = run(tmp_path, flaky("flaky", counter, 3), retries=2, events=str(events))
+    (job,) = result.jobs
+    assert (job.state, job.exit_code, job.extra["attempts"]) == (JobState.SUCCEEDED, 0, 3)
+    folder = Path(result.log_dir) / "flaky"
+    assert Path(job.log_dir) == folder / "attempt_2"
+    for n in range(3):
+        assert (folder / f"attempt_{n}" / "stdout.log").read_text().startswith(f"attempt {n + 1}\n")
+    assert json.loads((folder / "attempt_0" / "error.json").read_text())["error"] == "RuntimeError: flaky failure 1"
+    states = [json.loads(line)["state"] for line in events.read_text().splitlines()]
+    assert states == ["pending", "running", "queued", "running", "queued", "running", "succeeded"]
+    report = json.loads((Path(result.log_dir) / "report.json").read_text())
+    assert report["jobs"][0]["attempts"] == 3
+
+
+def test_a_job_s_own_retries_win_and_run_out(tmp_path):
+    result = run(tmp_path, flaky("flaky", tmp_path / "count", 5, retries=1), retries=3)
+    (job,) = result.jobs
+    assert (job.state, job.extra["attempts"]) == (JobState.FAILED, 2)
+    assert job.error == "RuntimeError: flaky failure 2"
+
+
+def test_after_running_out_of_memory_the_retry_waits_for_another_job_to_end(tmp_path):
+    result = run(
+        tmp_path, flaky("hungry", tmp_path / "count", 2, how="oom"), ending("holder", delay=1.0),
+        retries=1, policy="concurrent",
+    )
+    hungry, holder = result.jobs
+    assert (hungry.state, hungry.extra["attempts"]) == (JobState.SUCCEEDED, 2)
+    assert hungry.started >= holder.ended  # the second attempt started once memory was freed
+
+
+def test_halt_soon_starts_nothing_new_after_a_failure(tmp_path):
+    result = run(
+        tmp_path, ending("bad", "exit3"), ending("running", delay=1.0), ending("queued"),
+        max_concurrent=2, halt="soon",
+    )
+    bad, running, queued = result.jobs
+    assert bad.state == JobState.FAILED
+    assert running.state == JobState.SUCCEEDED  # let finish
+    assert queued.state == JobState.CANCELLED and queued.started is None
+    assert "bad failed (--halt soon)" in queued.error
+    assert result.exit_code == 3 and result.root_cause == "bad"
+
+
+def test_halt_now_interrupts_the_running_jobs(tmp_path):
+    result = run(tmp_path, ending("bad", "exit3", 0.5), ending("busy", "loop"), halt="now", grace_period_s=5)
+    bad, busy = result.jobs
+    assert bad.state == JobState.FAILED
+    assert (busy.state, busy.exit_code) == (JobState.INTERRUPTED, 130)
+    assert "got KeyboardInterrupt" in (Path(busy.log_dir) / "stdout.log").read_text()
+    assert result.root_cause == "bad"
+
+
+# -- issue 11 §6: queued and waiting --------------------------------------------------
+
+
+def _states(events: Path) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for line in events.read_text().splitlines():
+        record = json.loads(line)
+        states.setdefault(record["job"], []).append(record["state"])
+    return states
+
+
+def test_a_job_waiting_for_a_slot_is_queued(tmp_path):
+    events = tmp_path / "events.jsonl"
+    run(tmp_path, ending("first", delay=0.3), ending("second"), max_concurrent=1, events=str(events))
+    states = _states(events)
+    assert states["first"] == ["pending", "running", "succeeded"]
+    assert states["second"] == ["pending", "queued", "running", "succeeded"]
+
+
+def test_jobs_waiting_for_memory_show_queued_or_waiting(tmp_path):
+    alone = run(tmp_path / "alone", _mlp("solo", 256, 512), policy="waterwave")
+    limit = int(alone.jobs[0].extra["peak_memory_bytes"] * 2.2)  # the three together do not fit
+    events = tmp_path / "events.jsonl"
+    result = run(
+        tmp_path, _mlp("a", 256, 512), _mlp("b", 256, 512), _mlp("c", 256, 512),
+        memory_limit=limit, events=str(events),
+    )
+    assert result.exit_code == 0
+    states = _states(events)
+    seen = {state for job in states.values() for state in job}
+    assert seen & {"queued", "waiting"}  # someone had to wait, and it shows
+    for job in states.values():
+        assert job[0] == "pending" and job[-1] == "succeeded"
+        assert "running" in job
+
+
+# -- issue 12 §2: a job's own threads ---------------------------------------------------
+
+
+def test_a_job_ends_after_its_non_daemon_threads_as_under_python(tmp_path):
+    target = tmp_path / "result.txt"
+    result = run(tmp_path, JobSpec(name="bg", script=str(SCRIPTS / "background.py"), args=[str(target)]))
+    (job,) = result.jobs
+    assert job.state == JobState.SUCCEEDED
+    assert target.read_text() == "trained\n"  # written before the job was reported ended
+    assert job.ended >= target.stat().st_mtime
+    log = (Path(job.log_dir) / "stdout.log").read_text()
+    assert log == "main returns\nresult written\natexit sees the result: True\n"
+
+
+# -- issue 12 §6: a crash of the whole process -----------------------------------------
+
+
+def test_a_segfault_in_one_job_leaves_a_crash_report_naming_it(tmp_path):
+    logs = tmp_path / "logs"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(logs),
+         str(SCRIPTS / "crash.py"), "0.5", ":", ENDING, "loop"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV), done.stderr  # the process is gone
+    folder = (logs / "latest").resolve()
+    crash = (folder / "crash.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in crash
+    assert "runs job crash" in crash and 'crash.py", line' in crash
+    report = json.loads((folder / "report.json").read_text())  # written while it ran
+    assert report["run"]["state"] == "running"
+    assert {j["name"]: j["state"] for j in report["jobs"]} == {"crash": "running", "ending": "running"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "wwrun", "show", "--log-dir", str(logs)], capture_output=True, text=True, timeout=60,
+    )
+    assert "the process crashed in job crash: Fatal Python error: Segmentation fault" in shown.stdout
+
+
+# -- issue 12 §7: escaping children ------------------------------------------------------
+
+
+def _gone(pid: int, within: float = 15.0) -> bool:
+    """Polls until the process is gone (or a zombie), for at most `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_double_forked_daemon_is_ended_with_the_run(tmp_path):
+    pidfile = tmp_path / "daemon.pid"
+    result = run(tmp_path, JobSpec(name="d", script=str(SCRIPTS / "daemon.py"), args=[str(pidfile)]))
+    assert result.exit_code == 0, (Path(result.jobs[0].log_dir) / "stderr.log").read_text()
+    pid = int(pidfile.read_text())
+    try:
+        assert _gone(pid), "the daemon outlived the run"
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_retried_job_starts_again_under_the_engine(tmp_path):
+    result = run(tmp_path, flaky("flaky", tmp_path / "count", 2), _mlp("mlp", 64, 32, steps=3), retries=1)
+    flaky_job, mlp = result.jobs
+    assert result.policy == "waterwave"
+    assert (flaky_job.state, flaky_job.extra["attempts"]) == (JobState.SUCCEEDED, 2)
+    assert mlp.state == JobState.SUCCEEDED
+
+
+def test_a_job_leaving_its_executors_open_ends_as_under_python(tmp_path):
+    # Their workers are non-daemon threads now (as under python), which interpreter
+    # exit stops through concurrent.futures' own hook; the launcher does it per job.
+    result = _launch_bounded(tmp_path, JobSpec(name="pools", script=str(SCRIPTS / "pools.py")), limit=60)
+    (job,) = result.jobs
+    assert job.state == JobState.SUCCEEDED, job.error
+    assert (Path(job.log_dir) / "stdout.log").read_text() == "1024 27\n"
+
+
+def test_an_interrupted_job_s_endless_thread_does_not_keep_the_process_alive(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), str(SCRIPTS / "spinner.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    _wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()

@@ -222,7 +222,8 @@ def test_two_entries_with_the_same_name(project):
 
 def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
     config = load(project, """
-        defaults: {device: cpu, memory_limit: 37%, max_concurrent: 3, tee: true}
+        defaults: {device: cpu, memory_limit: 37%, max_concurrent: 3, tee: true, grace_period_s: 2.5,
+                   timeout: 1h30m, retries: 2, halt: soon}
         jobs:
           - script: train.py
             args: --lr {lr} --seed {seed} --note "it's {lr}"
@@ -230,10 +231,14 @@ def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
             cwd: runs
             memory_limit: 512MB
             priority: 5
+            timeout: 90s
+            retries: 1
             repeat: 2
             sweep: {grid: {lr: [0.1, 0.01]}, zip: {seed: [7]}}
-          - {module: pkg.train, args: ["0.5", "true", "null", "{}"]}
+          - {module: pkg.train, args: ["0.5", "true", "null", "{}"], stdin: true, memory_limit: 0.5}
     """)
+    assert (config.grace_period_s, config.timeout, config.retries, config.halt) == (2.5, 5400.0, 2, "soon")
+    assert (config.jobs[0].timeout, config.jobs[0].retries, config.jobs[4].stdin) == (90.0, 1, True)
     text = dump_recipe(config)
     assert "sweep" not in text and "repeat:" not in text
     elsewhere = tmp_path_factory.mktemp("elsewhere") / "recipe.yaml"
@@ -241,6 +246,26 @@ def test_dump_round_trip_gives_an_equal_config(project, tmp_path_factory):
     again = load_recipe(elsewhere)
     assert len(again.jobs) == 5
     assert again.replace(run_id=config.run_id, source=config.source) == config
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(alphabet="{}ab_ -1", max_size=12), max_size=4))
+def test_dump_keeps_arguments_that_look_like_placeholders(tmp_path_factory, args):
+    script = str(Path(__file__).resolve())
+    config = LaunchConfig(jobs=[JobSpec(name="a", script=script, args=args)])
+    path = tmp_path_factory.getbasetemp() / "literal.yaml"
+    path.write_text(dump_recipe(config))
+    assert load_recipe(path).jobs[0].args == args
+
+
+def test_double_braces_are_literal(project):
+    config = load(project, """
+        jobs:
+          - script: train.py
+            args: --lr {lr} --note {{lr}}
+            sweep: {grid: {lr: [1]}}
+    """)
+    assert config.jobs[0].args == ["--lr", "1", "--note", "{lr}"]
 
 
 def test_dump_makes_paths_absolute(project, monkeypatch):
@@ -316,7 +341,7 @@ ERRORS = {
         "jobs[0].memory_limit: unknown unit 'GiBs' in '2 GiBs' (did you mean 'gib'?)"),
     "size type": (
         "jobs: [{script: train.py, memory_limit: 1.5}]",
-        "jobs[0].memory_limit: expected a size like '2GiB', '512MB', '80%' or 0.8, got the number 1.5"),
+        "jobs[0].memory_limit: 1.5 is neither a fraction of the device (0 < x <= 1) nor a whole number of bytes"),
     "missing script": (
         "jobs: [{script: nope.py}]",
         "jobs[0].script: no such file: {folder}/nope.py"),
@@ -377,6 +402,27 @@ ERRORS = {
     "reserved sweep key": (
         "jobs: [{script: train.py, args: '{repeat}', sweep: {grid: {repeat: [1]}}}]",
         "jobs[0].sweep.grid.repeat: 'repeat' is reserved for the repeat index"),
+    "job timeout": (
+        "jobs: [{script: train.py, timeout: soon}]",
+        "jobs[0].timeout: not a duration: 'soon' (try '90s', '30m' or '1h30m')"),
+    "job retries": (
+        "jobs: [{script: train.py, retries: -1}]",
+        "jobs[0].retries: must be at least 0, got -1"),
+    "job stdin": (
+        "jobs: [{script: train.py, stdin: 1}]",
+        "jobs[0].stdin: expected true or false, got the number 1"),
+    "two jobs read stdin": (
+        "jobs: [{script: train.py, stdin: true}, {script: train.py, name: b, stdin: true}]",
+        "jobs: at most one job may read stdin"),
+    "run timeout": (
+        "defaults: {timeout: 0}\njobs: [{script: train.py}]",
+        "defaults.timeout: a duration must be positive, got 0"),
+    "halt typo": (
+        "defaults: {halt: sooon}\njobs: [{script: train.py}]",
+        "defaults.halt: 'sooon' is not one of never, soon, now (did you mean 'soon'?)"),
+    "grace period": (
+        "defaults: {grace_period_s: -1}\njobs: [{script: train.py}]",
+        "defaults.grace_period_s: a duration must be 0 or more, got -1"),
     "not a mapping": (
         "- script: train.py",
         "expected a mapping with 'jobs:' and optionally 'defaults:', got a list"),

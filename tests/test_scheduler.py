@@ -251,3 +251,21 @@ def test_higher_priority_job_starts_first():
     sched.finish("running")
     assert not sched.try_start("low"), "high is first in the queue"
     assert sched.try_start("high")
+
+
+def test_newcomers_wait_until_the_running_jobs_optimizer_state_is_known():
+    sched = Scheduler(1000)
+    sched.enqueue("a")
+    assert sched.try_start("a")
+    assert sched.request_persistent("a", 200) is Decision.GRANT
+    assert sched.request("a", 300, pass_start=True, profile=True) is Decision.GRANT
+    sched.release("a", 0)
+    sched.end_profile("a", 300, settled=False)  # its first step is still to come
+    sched.enqueue("b")
+    assert not sched.try_start("b"), "a's optimizer state is not known yet"
+    sched.set_persistent("a", 400)  # Adam's two buffers appeared at the first step
+    sched.settle("a")
+    assert sched.smallest == (400, 300)
+    assert not sched.try_start("b"), "400 + 400 + 300 > 1000: a second job like a does not fit"
+    sched.finish("a")
+    assert sched.try_start("b")

@@ -2,17 +2,20 @@
 
     wwrun [options] script.py [args...] [: script.py [args...]]...
     wwrun [options] -m module [args...] [: -m module [args...]]...
-    wwrun [options] recipe.yaml          (or -c recipe.yaml)
-    wwrun doctor [--full]                what wwrun will use here, and whether it works
+    wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
+    wwrun doctor [--full]                    what wwrun will use here, and whether it works
+    wwrun show [RUN] [--log-dir DIR]         a past run's summary (default: the latest)
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
-belongs to that script, so wwrun's own options come first. Options given here
-override a recipe's `defaults:`.
+belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
+.yml or .json file, never run as Python) only wwrun's options may follow. Options
+given here override a recipe's `defaults:`.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -20,39 +23,60 @@ import threading
 from pathlib import Path
 
 from wwrun import __version__
-from wwrun.config import DEVICES, POLICIES, QUEUES, ConfigError, JobSpec, LaunchConfig, parse_size
+from wwrun.config import (
+    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, repeat_jobs, shorten,
+)
 
 _SEPARATOR = ":"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]")  # job names name log folders
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit code 2, as for every bad input
-        self.exit(2, f"wwrun: error: {message} (see wwrun --help)\n")
+        self.exit(2, f"wwrun: error: {one_line(message)}{self._did_you_mean(message)} (see wwrun --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """' (did you mean --x?)' for a misspelled flag or choice."""
+        if unknown := re.match(r"unrecognized arguments: (-\S+)", message):
+            word = unknown.group(1).split("=", 1)[0]
+            candidates = [option for option in self._option_string_actions if option.startswith("--")]
+        elif choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            word, candidates = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+        else:
+            return ""
+        match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+        return f" (did you mean {match[0]}?)" if match else ""
+
+
+def one_line(message: str) -> str:
+    """A message as one line, whatever the user's values hold."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def is_recipe(path: str) -> bool:
+    return path.lower().endswith(RECIPE_SUFFIXES)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
+    """wwrun's parser: LaunchConfig's options (from its field metadata), then the
+    command line's own (recipe, module, repeat, dry run)."""
     parser = _Parser(
         prog="wwrun",
         description="Train several unmodified PyTorch scripts at once, as threads of one process.",
-        usage="wwrun [options] (script.py | -m module) [args...] [: ...] | wwrun [options] recipe.yaml",
+        usage="wwrun [options] (script.py | -m module) [args...] [: ...] | wwrun recipe.yaml [options]",
     )
     add = parser.add_argument
-    add("--device", choices=DEVICES, help="where jobs run (default: auto = cuda when present)")
-    add("--memory-limit", metavar="SIZE", help="device memory the run may use: 2GiB, 512MB, 80%%")
-    add("--policy", choices=POLICIES, help="waterwave (default for several jobs), concurrent or sequential")
-    add("--max-concurrent", type=int, metavar="N", help="run at most N jobs at once")
-    add("--queue", choices=QUEUES, help="order of waiting jobs: fifo (default) or las (least attained service)")
-    add("--nodegroups", type=int, metavar="N", help="NodeGroups per model (default: automatic)")
-    add("--log-dir", metavar="DIR", help="where logs go (default: wwrun_logs)")
-    add("--tee", action="store_const", const=True, help="echo every job line to the terminal")
-    add("--report", metavar="FILE.json", help="write the run's JSON report")
-    add("--events", metavar="FILE|-", help="write a JSON line per job state change")
-    add("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of NodeGroups, waits and memory")
-    add("--memory-plot", metavar="FILE.png", help="plot memory per job over time against the limit")
-    add("--explain", action="store_const", const=True, help="print each job's NodeGroups after the run")
+    for f in options():
+        flag, meta = flag_of(f), f.metadata
+        if flag is None:
+            continue
+        if meta["kind"] == "flag":  # default None: only what was given overrides a recipe
+            add(flag, dest=f.name, action="store_const", const=True, help=meta["help"])
+        else:
+            add(flag, dest=f.name, choices=meta["choices"], metavar=meta["metavar"], help=meta["help"],
+                type=int if meta["kind"] == "count" else str)
+    add("-n", "--repeat", type=int, metavar="N", help="run each job N times (named job-0, job-1, ...), as a recipe's repeat")
     add("--dry-run", action="store_true", help="print the resolved jobs as a recipe and run nothing")
-    add("--quiet", action="store_const", const=True, help="print the summary only")
     add("--version", action="version", version=f"wwrun {__version__}")
     add("-c", "--recipe", metavar="FILE", help="read jobs and defaults from a YAML recipe")
     add("-m", "--module", action="store_true", help="the first job is a module, as with python -m")
@@ -60,18 +84,43 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; wwrun's options may also follow a recipe."""
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.recipe is None and not args.module and args.command and is_recipe(args.command[0]):
+        recipe, rest = args.command[0], args.command[1:]
+        args.command = []
+        parser.parse_args(rest, namespace=args)  # what follows the recipe: options only
+        if args.recipe is not None:
+            parser.error("give one recipe")
+        args.recipe = recipe
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Translate parsed arguments into a LaunchConfig (raises ConfigError)."""
+    config = _config_from_args(args)
+    if args.repeat is not None:
+        config = config.replace(jobs=repeat_jobs(config.jobs, args.repeat))
+    return config
+
+
+def _config_from_args(args: argparse.Namespace) -> LaunchConfig:
     from wwrun.recipe import load_recipe
 
     command = list(args.command)
     recipe = args.recipe
-    if recipe is None and len(command) == 1 and command[0].endswith((".yaml", ".yml")) and not args.module:
-        recipe = command.pop()
+    if recipe is None and not args.module and command and is_recipe(command[0]):
+        recipe, command = command[0], command[1:]
     options = _options(args)
     if recipe is not None:
         if command:
-            raise ConfigError("", "give either a recipe or scripts, not both")
+            shown = " ".join(command)
+            what = "':'" if _SEPARATOR in command else f"{shown[:60]!r}"
+            raise ConfigError(
+                "", f"a recipe runs its own jobs: nothing but wwrun's options may follow it (got {what})"
+            )
         return load_recipe(recipe).replace(**options)
     if not command:
         raise ConfigError("", "no job given: wwrun script.py [args...] [: script.py ...] or wwrun recipe.yaml")
@@ -79,29 +128,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _options(args: argparse.Namespace) -> dict:
-    options = {
-        "device": args.device,
-        "memory_limit": args.memory_limit,
-        "policy": args.policy,
-        "max_concurrent": args.max_concurrent,
-        "queue": args.queue,
-        "nodegroups": args.nodegroups,
-        "log_dir": args.log_dir,
-        "tee": args.tee,
-        "report": args.report,
-        "events": args.events,
-        "quiet": args.quiet,
-        "explain": args.explain,
-        "trace": args.trace,
-        "memory_plot": args.memory_plot,
-    }
-    if args.memory_limit is not None:
-        try:
-            options["memory_limit"] = parse_size(args.memory_limit)
-        except ValueError as err:
-            raise ConfigError("--memory-limit", str(err)) from None
-    # Only what was given overrides a recipe's defaults.
-    return {key: value for key, value in options.items() if value is not None}
+    """The options given on the command line: only they override a recipe's defaults."""
+    given = {f.name: getattr(args, f.name, None) for f in options()}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
@@ -124,11 +153,12 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
             spec = {"module": target}
             base = target
         else:
-            path = Path(target)
-            if not path.is_file():
-                raise ConfigError(where, f"no such script: {target}")
-            spec = {"script": str(path.resolve())}
-            base = path.stem
+            if is_recipe(target):
+                raise ConfigError(where, f"{shorten(target)} is a recipe, not a script: give it alone")
+            if not os.path.isfile(target):  # False, not an error, for a path too long to exist
+                raise ConfigError(where, f"no such script: {shorten(target)}")
+            spec = {"script": os.path.realpath(target)}
+            base = Path(target).stem
         name = _unique(base, used)
         try:
             jobs.append(JobSpec(name=name, args=args, **spec))
@@ -138,8 +168,8 @@ def _jobs(command: list[str], first_is_module: bool) -> list[JobSpec]:
 
 
 def _unique(base: str, used: set[str]) -> str:
-    """A valid job name from a script's stem or a module: unsafe characters become '_'."""
-    base = _UNSAFE.sub("_", base).lstrip("._=+,-") or "job"
+    """A valid job name from a script's stem or a module, unique among `used`."""
+    base = name_from(base)
     name, n = base, 1
     while name in used:
         n += 1
@@ -148,30 +178,53 @@ def _unique(base: str, used: set[str]) -> str:
     return name
 
 
+def _as_flag(err: ConfigError) -> ConfigError:
+    """An error about an option, named as the flag the user typed: --memory-limit."""
+    flags = {f.name: flag_of(f) for f in options()} | {"repeat": "--repeat"}
+    return ConfigError(flags[err.where], err.reason) if flags.get(err.where) else err
+
+
+def _show(argv: list[str]) -> int:
+    """`wwrun show [RUN] [--log-dir DIR]`: a past run's summary (the latest by default)."""
+    from wwrun.output import show_run
+
+    parser = _Parser(prog="wwrun show", description="Print a past run's summary.")
+    parser.add_argument("run", nargs="?", help="run id or folder (default: the latest run)")
+    parser.add_argument("--log-dir", default="wwrun_logs", metavar="DIR", help="where logs go")
+    args = parser.parse_args(argv)
+    return show_run(args.run, log_root=args.log_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:
+    if argv[:1] == ["doctor"] and not os.path.isfile("doctor"):
         from wwrun import doctor
 
         return doctor.main(argv[1:])
+    if argv[:1] == ["show"] and not os.path.isfile("show"):
+        return _show(argv[1:])
     from wwrun.launcher import EXIT_INTERRUPTED, launch
     from wwrun.recipe import dump_recipe
 
-    args = get_args_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         config = config_from_args(args)
+        preflight(config)
         if args.dry_run:
             sys.stdout.write(dump_recipe(config))
             return 0
         result = launch(config)
     except ConfigError as err:
-        print(f"wwrun: error: {err}", file=sys.stderr)
+        print(f"wwrun: error: {one_line(str(_as_flag(err)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED
-    if any(t.name.startswith("wwrun:") and t.is_alive() for t in threading.enumerate()):
-        # A job ignored the interrupt past its grace period: threads cannot be killed,
-        # the process can.
+    main_thread = threading.main_thread()
+    if any(t.is_alive() and (t.name.startswith("wwrun:") or not t.daemon and t is not main_thread)
+           for t in threading.enumerate()):
+        # A job ignored the interrupt past its grace period, or an interrupted job
+        # left a thread of its own running (interpreter exit would wait for it):
+        # threads cannot be killed, the process can.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(result.exit_code)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,8 +23,24 @@ POLICIES = ("waterwave", "concurrent", "sequential")
 QUEUES = ("fifo", "las")
 HALTS = ("never", "soon", "now")
 
-# Job names become folder names under the log directory.
-_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+,-]*$")
+# Job names become folder names under the log directory: one rule, used by the CLI
+# and recipes to derive names and by JobSpec to check them.
+_NAME_CHARS = "A-Za-z0-9._=+,-"
+_NAME_OK = re.compile(rf"^[A-Za-z0-9][{_NAME_CHARS}]*$")
+_NOT_IN_NAMES = re.compile(rf"[^{_NAME_CHARS}]")
+MAX_NAME_LENGTH = 100  # a folder name may hold 255 bytes
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DERIVED_NAME_LENGTH = 64  # a name made from a file's name: room for -2, -lr0.1-0, ...
+
+# What one run may hold. Jobs are threads of one process: past a few thousand the
+# process runs out of threads and memory for their stacks long before anything useful.
+MAX_JOBS = 10_000
+# Jobs running at once when `max_concurrent` is not given (the rest wait for a slot):
+# each running job is a thread with its own stack and, under torch, its own OpenMP
+# team, and holds 6 file descriptors (two pipes, two logs). 256 stays far below
+# Linux's default thread limits; `default_max_concurrent` also keeps to `ulimit -n`.
+DEFAULT_MAX_CONCURRENT = 256
+_FDS_PER_JOB = 8  # 6, and room for the job's own files
 
 _UNITS = {
     "": 1, "b": 1,
@@ -31,6 +49,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z%]*)\s*$")
+MAX_SIZE = 2**63 - 1  # bytes: what the allocator and the OS can count
 
 
 class ConfigError(ValueError):
@@ -60,32 +79,65 @@ def closest(word: str, choices) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+def name_part(text: str) -> str:
+    """`text` with every character a job name cannot hold replaced by '_'."""
+    return _NOT_IN_NAMES.sub("_", text)
+
+
+def name_from(text: str) -> str:
+    """A valid job name from a script's stem or a module's name."""
+    return name_part(text).lstrip("._=+,-")[:_DERIVED_NAME_LENGTH] or "job"
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters for a message (a 5000-character path stays readable)."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
+
 def parse_size(text: str | int | float) -> int | float:
     """A memory size: '2GiB' -> 2147483648 bytes, '512MB' -> 512000000 bytes,
-    '80%' -> 0.8 (a fraction of the device's memory), 1024 -> 1024 bytes.
+    '80%' -> 0.8 and 0.8 -> 0.8 (a fraction of the device's memory), 1024 and 2e9 ->
+    bytes. The one place sizes are read, for flags, recipes and the dataclasses.
 
-    Returns an int for bytes and a float in (0, 1] for a fraction.
+    Returns an int for bytes and a float in (0, 1] for a fraction; raises ValueError
+    for anything else (0, negatives, 1.5: neither a fraction nor whole bytes).
     """
-    if isinstance(text, bool):
-        raise ValueError(f"not a memory size: {text!r}")
-    if isinstance(text, int):
-        if text <= 0:
-            raise ValueError(f"memory size must be positive, got {text}")
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
         raise ValueError(f"not a memory size: {text!r} (try '2GiB', '512MB' or '80%')")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit == "%":
-        if not 0 < number <= 100:
-            raise ValueError(f"a percentage must be in (0, 100], got {text!r}")
-        return number / 100
-    if unit not in _UNITS:
-        raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}{closest(unit, _UNITS)}")
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return size
+    if isinstance(text, str):
+        match = _SIZE.match(text)
+        if not match:
+            raise ValueError(f"not a memory size: {shorten(repr(text))} (try '2GiB', '512MB' or '80%')")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit == "%":
+            if not 0 < number <= 100:
+                raise ValueError(f"a percentage must be in (0, 100], got {text!r}")
+            return number / 100
+        if unit not in _UNITS:
+            raise ValueError(f"unknown unit {match.group(2)!r} in {text!r}{closest(unit, _UNITS)}")
+        if unit:
+            size = number * _UNITS[unit]
+            if size > MAX_SIZE:  # also catches inf, from hundreds of digits
+                raise ValueError(f"{shorten(text)} is more memory than any machine has")
+            if size < 1:
+                raise ValueError(f"memory size must be at least one byte, got {text!r}")
+            return int(size)
+        text = float(number) if "." in match.group(1) else int(match.group(1))
+    if isinstance(text, float):
+        if 0 < text <= 1:
+            return text
+        if not (text.is_integer() and 1 < text):
+            raise ValueError(
+                f"{text!r} is neither a fraction of the device (0 < x <= 1) nor a whole number of bytes"
+            )
+        if text > MAX_SIZE:
+            raise ValueError(f"{text!r} bytes is more memory than any machine has")
+        return int(text)
+    if text <= 0:
+        raise ValueError(f"memory size must be positive, got {text}")
+    if text > MAX_SIZE:
+        raise ValueError(f"{shorten(str(text))} bytes is more memory than any machine has")
+    return text
 
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -93,18 +145,19 @@ _DURATION = re.compile(r"^\s*(?:([0-9]*\.?[0-9]+)\s*([smhd]?)\s*)+$")
 _DURATION_PART = re.compile(r"([0-9]*\.?[0-9]+)\s*([smhd]?)")
 
 
-def parse_duration(text: str | int | float) -> float:
-    """Seconds in a duration: '90' or '90s' -> 90.0, '1h30m' -> 5400.0, '2d' -> 172800.0."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a duration: {text!r}")
+def parse_duration(text: str | int | float, *, zero: bool = False) -> float:
+    """Seconds in a duration: '90' or '90s' -> 90.0, '1h30m' -> 5400.0, '2d' -> 172800.0.
+    Positive, or also 0 where `zero`."""
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"not a duration: {text!r} (try '90s', '30m' or '1h30m')")
     if isinstance(text, (int, float)):
         seconds = float(text)
     else:
-        if not _DURATION.match(str(text)):
-            raise ValueError(f"not a duration: {text!r} (try '90s', '30m' or '1h30m')")
-        seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(str(text)))
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"a duration must be positive, got {text!r}")
+        if len(text) > 100 or not _DURATION.match(text):
+            raise ValueError(f"not a duration: {shorten(repr(text))} (try '90s', '30m' or '1h30m')")
+        seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(text))
+    if not (0 <= seconds if zero else 0 < seconds) or seconds == float("inf") or seconds != seconds:
+        raise ValueError(f"a duration must be {'0 or more' if zero else 'positive'}, got {text!r}")
     return seconds
 
 
@@ -131,63 +184,69 @@ def format_size(nbytes: int | float | None) -> str:
     return f"{value:.1f}TiB"
 
 
+def default_max_concurrent() -> int:
+    """Jobs that may run at once when `max_concurrent` is not given: DEFAULT_MAX_CONCURRENT,
+    or fewer where this process's limits on threads or open files are lower."""
+    import resource
+
+    limit = DEFAULT_MAX_CONCURRENT
+    for which, per_job in ((resource.RLIMIT_NOFILE, _FDS_PER_JOB), (resource.RLIMIT_NPROC, 4)):
+        soft, _ = resource.getrlimit(which)
+        if soft != resource.RLIM_INFINITY:
+            limit = min(limit, (soft - 64) // per_job)
+    return max(1, limit)
+
+
 def new_run_id() -> str:
     """Sortable and unique: 20261121-052811-3fa2."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+def option(default=dataclasses.MISSING, *, kind: str, help: str, flag: str | None = "", metavar=None,
+           choices=None, minimum=None, recipe: bool = True, default_factory=dataclasses.MISSING):
+    """A config field with what the CLI, recipes and the dry-run dump need to know of it.
+
+    kind: how a value is read and checked (see `_check_field`); flag: the CLI flag
+    ('' derives it from the name, None for none); recipe: whether a recipe may set it.
+    """
+    metadata = {"kind": kind, "help": help, "flag": flag, "metavar": metavar,
+                "choices": choices, "minimum": minimum, "recipe": recipe}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
     """One job: a script or a module, run as `python script.py args` would run it."""
 
-    name: str
+    name: str = option(kind="name", help="the job's name")
     """Unique within a run; names the job's log folder and prefixes its output."""
-    script: str | None = None
+    script: str | None = option(None, kind="text", help="the training script")
     """Path of the training script (absolute once resolved). Exclusive with `module`."""
-    module: str | None = None
+    module: str | None = option(None, kind="module", help="a module run as python -m")
     """Module run as `python -m module`. Exclusive with `script`."""
-    args: list[str] = field(default_factory=list)
+    args: list[str] = option(kind="args", help="the script's arguments", default_factory=list)
     """The script's command-line arguments (its `sys.argv[1:]`)."""
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = option(kind="env", help="environment variables", default_factory=dict)
     """Environment variables set for this job only, over the launcher's."""
-    cwd: str | None = None
+    cwd: str | None = option(None, kind="text", help="the job's working directory")
     """The job's working directory; None means the launcher's."""
-    priority: int = 0
+    priority: int = option(0, kind="count", help="higher starts first")
     """Higher starts first when not every job can run at once."""
-    memory_limit: int | float | None = None
+    memory_limit: int | float | None = option(None, kind="size", help="device memory this job may use")
     """Bytes (int) or a fraction of the device (float); beyond it only this job fails."""
-    timeout: float | None = None
+    timeout: float | None = option(None, kind="duration", help="how long each attempt may run")
     """Seconds this job may run (each attempt); then it is interrupted. None: no limit."""
-    retries: int | None = None
+    retries: int | None = option(None, kind="count", minimum=0, help="times a failed job is queued again")
     """Times a failed job is queued again; None: the run's `retries`."""
-    stdin: bool = False
+    stdin: bool = option(False, kind="flag", help="this job reads wwrun's standard input")
     """This job reads the launcher's standard input (at most one job; a lone job always does)."""
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _NAME_OK.match(self.name):
-            raise ConfigError(
-                "name", f"{self.name!r} is not a valid job name (letters, digits and ._=+,- only)"
-            )
+        _check_fields(self)
         if (self.script is None) == (self.module is None):
             raise ConfigError("script", "give exactly one of 'script' and 'module'")
         if self.script is not None:  # as python does: relative to where it starts
             self.script = os.path.abspath(self.script)
-        if not all(isinstance(a, str) for a in self.args):
-            raise ConfigError("args", "every argument must be a string")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
-            raise ConfigError("env", "names and values must be strings")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ConfigError("priority", f"must be an integer, got {self.priority!r}")
-        if isinstance(self.memory_limit, str):
-            try:
-                self.memory_limit = parse_size(self.memory_limit)
-            except ValueError as err:
-                raise ConfigError("memory_limit", str(err)) from None
-        _check_timeout(self)
-        if self.retries is not None:
-            _check_count("retries", self.retries, minimum=0)
-        if not isinstance(self.stdin, bool):
-            raise ConfigError("stdin", f"must be true or false, got {self.stdin!r}")
 
     @property
     def argv(self) -> list[str]:
@@ -206,48 +265,65 @@ class JobSpec:
 
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
-    """A run: the jobs and how to run them. Field names match the CLI's flags."""
+    """A run: the jobs and how to run them.
+
+    Each option's metadata (see `option`) makes its CLI flag, its recipe key under
+    `defaults:` and its line in the dry-run dump: the field is the one place an
+    option is declared.
+    """
 
     jobs: list[JobSpec]
     """The jobs, in the order given."""
-    device: str = "auto"
+    device: str = option("auto", kind="choice", choices=DEVICES,
+                         help="where jobs run (default: auto = cuda when present)")
     """auto (CUDA when present, else CPU), cpu or cuda."""
-    memory_limit: int | float | None = None
+    memory_limit: int | float | None = option(None, kind="size", metavar="SIZE",
+                                              help="device memory the run may use: 2GiB, 512MB, 80%%")
     """Device memory the run may use: bytes (int) or a fraction (float) of the device."""
-    policy: str | None = None
+    policy: str | None = option(None, kind="choice", choices=POLICIES,
+                                help="waterwave (default for several jobs), concurrent or sequential")
     """waterwave, concurrent (plain threads) or sequential; None: waterwave for
     several jobs, concurrent for one."""
-    max_concurrent: int | None = None
-    """At most this many jobs run at once; the rest wait in the queue."""
-    queue: str = "fifo"
+    max_concurrent: int | None = option(None, kind="count", minimum=1, metavar="N",
+                                        help=f"run at most N jobs at once (default: all, up to {DEFAULT_MAX_CONCURRENT})")
+    """At most this many jobs run at once; the rest wait in the queue. None: every
+    job, up to DEFAULT_MAX_CONCURRENT (see `concurrency`)."""
+    queue: str = option("fifo", kind="choice", choices=QUEUES,
+                        help="order of waiting jobs: fifo (default) or las (least attained service)")
     """Order of waiting jobs: fifo, or las (least attained service first)."""
-    nodegroups: int | None = None
+    nodegroups: int | None = option(None, kind="count", minimum=1, metavar="N",
+                                    help="NodeGroups per model (default: automatic)")
     """NodeGroups per model (waterwave policy); None chooses automatically."""
-    log_dir: str = "wwrun_logs"
+    log_dir: str = option("wwrun_logs", kind="text", metavar="DIR", help="where logs go (default: wwrun_logs)")
     """Logs go to <log_dir>/<run_id>/<job>/{stdout.log,stderr.log,error.json}."""
-    tee: bool = False
+    tee: bool = option(False, kind="flag", help="echo every job line to the terminal")
     """Echo every line of every job to the terminal, prefixed with [name]."""
-    report: str | None = None
+    report: str | None = option(None, kind="text", metavar="FILE.json", help="write the run's JSON report")
     """Write the run's JSON report to this file."""
-    events: str | None = None
+    events: str | None = option(None, kind="text", metavar="FILE|-", help="write a JSON line per job state change")
     """Write one JSON line per job state change to this file ('-' for stdout)."""
-    quiet: bool = False
+    quiet: bool = option(False, kind="flag", help="print the summary only")
     """No live table and no job output on the terminal; the summary only."""
-    explain: bool = False
+    explain: bool = option(False, kind="flag", help="print each job's NodeGroups after the run")
     """Print each job's NodeGroups (modules and bytes) after the run."""
-    trace: str | None = None
+    trace: str | None = option(None, kind="text", metavar="FILE.json",
+                               help="write a Chrome/Perfetto trace of NodeGroups, waits and memory")
     """Write a Chrome/Perfetto trace (JSON): NodeGroup spans, waits, memory counters."""
-    memory_plot: str | None = None
+    memory_plot: str | None = option(None, kind="text", metavar="FILE.png",
+                                     help="plot memory per job over time against the limit")
     """Write a PNG of memory over time per job against the limit (needs matplotlib)."""
     run_id: str = field(default_factory=new_run_id)
     """Names the run's log folder."""
-    grace_period_s: float = 10.0
+    grace_period_s: float = option(10.0, kind="seconds", flag="--grace-period", metavar="DURATION",
+                                   help="after Ctrl-C, how long jobs have to stop (default: 10s)")
     """After the first Ctrl-C/SIGTERM, how long jobs have to stop."""
-    timeout: float | None = None
+    timeout: float | None = option(None, kind="duration", metavar="DURATION",
+                                   help="how long the run may take: 90s, 30m, 1h30m")
     """Seconds the whole run may take; then every job is interrupted. None: no limit."""
-    retries: int = 0
+    retries: int = option(0, kind="count", minimum=0, metavar="N", help="times a failed job is queued again")
     """Times a failed job is queued again (a job's own `retries` wins)."""
-    halt: str = "never"
+    halt: str = option("never", kind="choice", choices=HALTS,
+                       help="after a failure: never (go on), soon (start nothing new), now (stop all)")
     """After a job fails: never (the others go on), soon (start nothing new), now
     (interrupt the running jobs too), as GNU parallel's --halt."""
     source: str | None = None
@@ -256,6 +332,8 @@ class LaunchConfig:
     def __post_init__(self):
         if not self.jobs:
             raise ConfigError("jobs", "no job to run")
+        if len(self.jobs) > MAX_JOBS:
+            raise ConfigError("jobs", f"{len(self.jobs)} jobs; one run holds at most {MAX_JOBS}")
         seen: set[str] = set()
         for i, job in enumerate(self.jobs):
             if not isinstance(job, JobSpec):
@@ -263,55 +341,220 @@ class LaunchConfig:
             if job.name in seen:
                 raise ConfigError(f"jobs[{i}].name", f"duplicate job name {job.name!r}")
             seen.add(job.name)
-        _choice("device", self.device, DEVICES)
-        if self.policy is not None:
-            _choice("policy", self.policy, POLICIES)
-        _choice("queue", self.queue, QUEUES)
-        if isinstance(self.memory_limit, str):
-            try:
-                self.memory_limit = parse_size(self.memory_limit)
-            except ValueError as err:
-                raise ConfigError("memory_limit", str(err)) from None
-        for name in ("max_concurrent", "nodegroups"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        if self.grace_period_s < 0:
-            raise ConfigError("grace_period_s", "must not be negative")
-        _check_timeout(self)
-        _check_count("retries", self.retries, minimum=0)
-        _choice("halt", self.halt, HALTS)
+        _check_fields(self)
         if sum(job.stdin for job in self.jobs) > 1:
             raise ConfigError("jobs", "at most one job may read stdin")
 
     @property
+    def concurrency(self) -> int:
+        """How many jobs may run at once: 1 under the sequential policy, else
+        `max_concurrent`, or every job up to `default_max_concurrent()`."""
+        if self.resolved_policy == "sequential":
+            return 1
+        return min(self.max_concurrent or default_max_concurrent(), len(self.jobs))
+
+    @property
     def resolved_policy(self) -> str:
-        """waterwave for several jobs or under a memory limit, else concurrent."""
+        """waterwave for several jobs, under a memory limit or when the engine is to be
+        observed (trace, memory_plot, explain), else concurrent."""
         if self.policy is not None:
             return self.policy
-        return "waterwave" if len(self.jobs) > 1 or self.memory_limit is not None else "concurrent"
+        wants_engine = len(self.jobs) > 1 or self.memory_limit is not None or self.observed
+        return "waterwave" if wants_engine else "concurrent"
+
+    @property
+    def observed(self) -> bool:
+        """An option that only the waterwave engine can honour is given."""
+        return bool(self.trace or self.memory_plot or self.explain)
 
     def replace(self, **changes) -> LaunchConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _choice(name: str, value, choices) -> None:
-    if value not in choices:
+def repeat_jobs(jobs: list[JobSpec], times: int) -> list[JobSpec]:
+    """Each job `times` times, named as a recipe's `repeat` names them: a-0, a-1, ..."""
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+        raise ConfigError("repeat", f"must be at least 1, got {times!r}")
+    if len(jobs) * times > MAX_JOBS:
         raise ConfigError(
-            name, f"{value!r} is not one of {', '.join(choices)}{closest(str(value), choices)}"
+            "repeat", f"{len(jobs)} job(s) {times} times is {len(jobs) * times} jobs; one run holds at most {MAX_JOBS}"
         )
+    if times == 1:
+        return list(jobs)
+    return [
+        dataclasses.replace(job, name=f"{job.name}-{i}", args=list(job.args), env=dict(job.env))
+        for job in jobs
+        for i in range(times)
+    ]
 
 
-def _check_count(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+def preflight(config: LaunchConfig) -> None:
+    """The checks that need this machine, not just the config: run before anything
+    starts (the CLI calls it before `launch`, and on `--dry-run`), so that a run is
+    never refused after its jobs ran. Raises ConfigError.
+    """
+    _check_observation(config)
+    _check_log_dir(config.log_dir)
+    for name in ("report", "events", "trace", "memory_plot"):
+        path = getattr(config, name)
+        if path is not None and not (name == "events" and path == "-"):
+            _check_output_file(name, path)
+    if any(job.memory_limit is not None for job in config.jobs) and _device_of(config) == "cpu":
+        refuse_job_memory_limits(config, "on the CPU")
 
 
-def _check_timeout(config) -> None:
-    """Durations may be given as text ('1h30m'); stored as seconds."""
-    if config.timeout is None:
-        return
+def refuse_job_memory_limits(config: LaunchConfig, where: str) -> None:
+    """A job's own memory_limit is enforced by wwrun's allocator, on CUDA only: a
+    config that has one is refused `where` it cannot be, rather than run unlimited."""
+    for i, job in enumerate(config.jobs):
+        if job.memory_limit is not None:
+            raise ConfigError(
+                f"jobs[{i}].memory_limit",
+                f"job {job.name!r}: a job's memory limit cannot be enforced {where}, only by wwrun's "
+                "allocator on CUDA (drop it, or limit the whole run with memory_limit)",
+            )
+
+
+def _device_of(config: LaunchConfig) -> str:
+    """'cpu' or 'cuda', as the launcher will resolve the config's device."""
+    if config.device != "auto":
+        return config.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """The log folder exists or can be made, and takes files: tried by making (and
+    removing) a folder in it or in its nearest existing parent, which leaves nothing."""
+    path = os.path.abspath(log_dir)
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    shown = shorten(log_dir)
+    if not os.path.isdir(existing):
+        what = "is" if existing == path else f"is under {shorten(existing)}, which is"
+        raise ConfigError("log_dir", f"{shown} {what} a file, not a folder")
     try:
-        config.timeout = parse_duration(config.timeout)
+        os.rmdir(tempfile.mkdtemp(prefix=".wwrun-check-", dir=existing))
+    except OSError as err:
+        raise ConfigError("log_dir", f"cannot write logs in {shown}: {err.strerror}") from None
+
+
+def _check_output_file(name: str, target: str) -> None:
+    """An output written after the run can be written now: its folder exists and
+    takes the file (tried by opening it, removed again if it was not there)."""
+    path = os.path.abspath(target)
+    shown = shorten(target)
+    if os.path.isdir(path):
+        raise ConfigError(name, f"{shown} is a folder; give a file name")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ConfigError(name, f"the folder of {shown} does not exist; create it first")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ConfigError(name, f"cannot write {shown}: {err.strerror}") from None
+    if not existed:
+        os.unlink(path)
+
+
+def _check_observation(config: LaunchConfig) -> None:
+    """--trace, --memory-plot and --explain observe the waterwave engine: refused up
+    front where none would run, rather than writing nothing after the run."""
+    policy = config.resolved_policy
+    for name in ("trace", "memory_plot", "explain"):
+        if getattr(config, name) and policy != "waterwave":
+            raise ConfigError(name, f"needs the waterwave policy, not {policy} (drop the policy option)")
+    if config.memory_plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("memory_plot", "needs matplotlib, which is not installed (pip install matplotlib)")
+
+
+def options(cls=None) -> list[dataclasses.Field]:
+    """The fields of `cls` (LaunchConfig by default) a recipe may set, in order."""
+    return [f for f in dataclasses.fields(cls or LaunchConfig) if f.metadata.get("recipe")]
+
+
+def flag_of(f: dataclasses.Field) -> str | None:
+    """The CLI flag of an option: --memory-limit for memory_limit."""
+    flag = f.metadata.get("flag", None)
+    return "--" + f.name.replace("_", "-") if flag == "" else flag
+
+
+def describe(value) -> str:
+    """A value as a message names it: 'the string 'x'', 'a list', 'the number 3'."""
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return f"the number {shorten(str(value))}"
+    if isinstance(value, str):
+        return f"the string {shorten(repr(value))}" if value else "an empty string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _check_fields(config) -> None:
+    """Check and normalise every option field of a JobSpec or LaunchConfig by its kind."""
+    for f in dataclasses.fields(config):
+        if "kind" in f.metadata:
+            value = getattr(config, f.name)
+            if value is None and f.default is None:
+                continue
+            checked = _check_field(f.name, f.metadata, value)
+            if checked is not value:
+                setattr(config, f.name, checked)
+
+
+def _check_field(name: str, meta, value):
+    kind = meta["kind"]
+    try:
+        if kind == "size":
+            return parse_size(value)
+        if kind == "duration":
+            return parse_duration(value)
+        if kind == "seconds":
+            return parse_duration(value, zero=True)
     except ValueError as err:
-        raise ConfigError("timeout", str(err)) from None
+        raise ConfigError(name, str(err)) from None
+    if kind == "choice":
+        if value not in meta["choices"]:
+            choices = meta["choices"]
+            shown = shorten(repr(value))
+            raise ConfigError(name, f"{shown} is not one of {', '.join(choices)}{closest(str(value), choices)}")
+    elif kind == "count":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"expected an integer, got {describe(value)}")
+        if meta["minimum"] is not None and value < meta["minimum"]:
+            raise ConfigError(name, f"must be at least {meta['minimum']}, got {value}")
+    elif kind == "flag":
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {describe(value)}")
+    elif kind == "text":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(name, f"expected a non-empty string, got {describe(value)}")
+        if "\0" in value:
+            raise ConfigError(name, "a path cannot hold a NUL character")
+    elif kind == "name":
+        if not isinstance(value, str) or not _NAME_OK.match(value):
+            raise ConfigError(
+                name, f"{shorten(repr(value))} is not a valid job name (letters, digits and ._=+,- only)"
+            )
+        if len(value) > MAX_NAME_LENGTH:
+            raise ConfigError(name, f"{shorten(repr(value))} is longer than {MAX_NAME_LENGTH} characters")
+    elif kind == "module":
+        if not isinstance(value, str) or not _MODULE.match(value):
+            raise ConfigError(name, f"{shorten(repr(value))} is not a module name (like 'pkg.train')")
+    elif kind == "args":
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise ConfigError(name, "expected a list of strings")
+    elif kind == "env":
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(name, "names and values must be strings")
+    return value

@@ -26,7 +26,9 @@ from wwrun.config import LaunchConfig, format_size
 
 _STYLE = {
     "pending": "dim",
+    "queued": "dim",
     "running": "cyan",
+    "waiting": "magenta",
     "succeeded": "green",
     "failed": "bold red",
     "interrupted": "yellow",
@@ -89,6 +91,7 @@ class PlainDisplay(QuietDisplay):
         super().__init__(err)
         self.out = out
         self._lock = threading.Lock()
+        self._shown: dict[str, str] = {}
 
     def note(self, text: str, important: bool = True) -> None:
         self.err.print(f"[wwrun] {text}", markup=False)
@@ -99,8 +102,11 @@ class PlainDisplay(QuietDisplay):
             console.print(f"[{job}] {text}", markup=False)
 
     def state(self, result) -> None:
-        if result.state.value == "pending":
+        # Waits for memory come and go with every NodeGroup: the live table and the
+        # events show them, a line each would drown the log.
+        if result.state.value in ("pending", "waiting") or self._shown.get(result.name) == result.state.value:
             return
+        self._shown[result.name] = result.state.value
         detail = f" (exit {result.exit_code}, {result.wall_s:.1f}s)" if result.state.is_final and result.wall_s else ""
         with self._lock:
             self.err.print(f"[wwrun] {result.name}: {result.state.value}{detail}", markup=False)

@@ -3,23 +3,29 @@ NodeGroups and gates each group's forward so that the jobs' memory flows between
 them under one budget (Waterwave, IEEE TC 72(10), 2023, "NodeGroup pipeline
 execution"; the admission rule is in wwrun/scheduler.py).
 
-How it hooks into unmodified scripts (see ../shared/facts.md, "Hooks"):
+How it hooks into unmodified scripts (see ../shared/facts.md, "Hooks"): through
+torch's *global* module forward hooks only, installed while a job runs, so nothing is
+stored on the user's modules: pickling, `torch.save` of a whole model,
+`copy.deepcopy` (the copy is a plain model), `torch.jit.script` and `torch.export`
+behave as without wwrun. Which module plays which part is in
+weak maps on the engine (module -> model root, module -> group entry). They return
+at once in threads of no job, and in a thread that dynamo, `torch.jit.trace`/`script`
+or `torch.export` is tracing.
 
-1. Discovery. While a job has not finished its first optimizer step, global module
-   forward hooks track the call depth per thread; the outermost module a job's
-   thread calls is one of its models. The global hooks slow every module call in the
-   process, so they are removed as soon as no job is still discovering.
+1. Discovery. While a job has not finished its first optimizer step, the hooks track
+   the call depth per thread; the outermost module a job's thread calls is one of
+   its models.
 2. Profiling. The first forward pass of a model for an input signature (shapes,
-   dtypes, grad mode) runs with a pre-hook on every submodule: each module call is a
-   node, and `saved_tensors_hooks` attribute the activation bytes saved for backward
-   to the latest node, counted once per storage (parameters excluded). The pass's
-   groups come from wwrun/nodegroups.py. A new signature (a smaller last batch)
-   is profiled again.
-3. Gating. Afterwards only the model itself and the entry module of each group are
-   hooked: the entry's pre-hook asks the scheduler for the group's growth and waits,
-   on the job's own thread. Backward is never gated (on CUDA all jobs' backward runs
-   on one autograd thread): it only hands memory back, group by group, as the saved
-   tensors die, and that wakes the waiting jobs.
+   dtypes, grad mode) treats each submodule call as a node, and
+   `saved_tensors_hooks` attribute the activation bytes saved for backward to the
+   latest node, counted once per storage (parameters excluded). The pass's groups
+   come from wwrun/nodegroups.py. A new signature (a smaller last batch) is
+   profiled again.
+3. Gating. Afterwards the model's call and each group's entry module matter: the
+   entry asks the scheduler for the group's growth and waits, on the job's own
+   thread. Backward is never gated (on CUDA all jobs' backward runs on one autograd
+   thread): it only hands memory back, group by group, as the saved tensors die, and
+   that wakes the waiting jobs.
 
 Memory of a job on the CPU is measured, not estimated: persistent bytes (parameters,
 buffers, gradients, optimizer state; at each optimizer step) plus the activations
@@ -48,6 +54,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +63,7 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 
+from wwrun import libstate
 from wwrun.nodegroups import Node, Plan, explain_plan, make_plan
 from wwrun.scheduler import Decision, Scheduler
 from wwrun.trace import Timeline
@@ -81,8 +89,7 @@ class _Model:
     module: torch.nn.Module
     label: str  # for the report: the class name, numbered when a job has several
     plans: dict[tuple, Plan] = field(default_factory=dict)
-    entry_hooks: dict[str, object] = field(default_factory=dict)  # module name -> handle
-    handles: list = field(default_factory=list)
+    entries: set[str] = field(default_factory=set)  # names of modules that start a group
 
 
 @dataclass(eq=False)
@@ -94,7 +101,7 @@ class _Pass:
     group: int = 0
     group_started: float = 0.0
     nodes: list[Node] = field(default_factory=list)
-    profile_handles: list = field(default_factory=list)
+    node_names: dict = field(default_factory=dict)  # while profiling: submodule -> its name
     saved_hooks: object = None
 
 
@@ -187,10 +194,16 @@ class Engine:
         self.peak_total = 0
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
+        # What a module is to the engine, without a mark on the module itself.
+        self._roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> _Model
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (_Model, name)
         self._step_handles: list = []
         # Release listeners hear (job, bytes still held) as backward frees memory:
         # the allocator uses it to know who is about to free (its rule f).
         self.release_listeners: list[Callable[[str, int], None]] = []
+        # State listeners hear (job, 'queued' | 'waiting' | 'running') as a job waits
+        # for admission, its next NodeGroup waits for memory, or it goes on.
+        self.state_listeners: list[Callable[[str, str], None]] = []
 
     # ---- the launcher's contract ------------------------------------------------------
     def job_started(self, name: str, priority: int = 0) -> None:
@@ -199,15 +212,19 @@ class Engine:
         self._local.job = name
         self._local.depth = 0
         with self._cond:
-            if name in self._jobs:
+            earlier = self._jobs.get(name)
+            if earlier is not None and earlier.ended is None:  # an ended job may start again (a retry)
                 raise ValueError(f"job {name!r} was already started")
             job = _Job(name, priority, len(self._jobs), started=time.perf_counter())
             self._jobs[name] = job
             self.timeline.track(name)
             self.scheduler.enqueue(name, priority)
             waited_from = time.perf_counter()
-            while not self.scheduler.try_start(name):
-                self._cond.wait(WAIT_POLL_S)
+            if not self.scheduler.try_start(name):
+                self._tell(name, "queued")
+                while not self.scheduler.try_start(name):
+                    self._cond.wait(WAIT_POLL_S)
+                self._tell(name, "running")
             self._waited(job, "queued", waited_from)
             job.admitted = time.perf_counter()
             job.queued_s = job.admitted - waited_from
@@ -224,8 +241,7 @@ class Engine:
             if job.current is not None:
                 self._end_pass(job, failed=True)
             for model in job.models:
-                for handle in model.handles + list(model.entry_hooks.values()):
-                    handle.remove()
+                self._forget(model)
             self._set_persistent(job, 0)
             job.discovering = False
             self.scheduler.finish(name)
@@ -233,6 +249,10 @@ class Engine:
             self._cond.notify_all()
         if getattr(self._local, "job", None) == name:
             self._local.job = None
+
+    def _tell(self, name: str, state: str) -> None:
+        for listener in self.state_listeners:
+            listener(name, state)
 
     def memory_of(self, name: str) -> int | None:
         """The job's live bytes now (for the live table); None for an unknown job."""
@@ -288,20 +308,27 @@ class Engine:
         job = self._jobs.get(name)
         return job if job is not None and job.ended is None else None
 
+    def _forget(self, model: _Model) -> None:
+        self._roots.pop(model.module, None)
+        for module, (owner, _) in list(self._entries.items()):
+            if owner is model:
+                del self._entries[module]
+
     def _install_global_hooks(self) -> None:
-        """Global hooks only while some job is still discovering (they disable the
-        fast path of every module call in the process)."""
-        wanted = any(j.discovering and j.ended is None for j in self._jobs.values())
-        if wanted and not self._global_handles:
+        """The global hooks and the optimizer-step hooks, while some job runs."""
+        active = any(j.ended is None for j in self._jobs.values())
+        if active and not self._global_handles:
+            # torch warns a compiled module's hooks would fire twice: ours are the only
+            # global ones and know the compiled wrapper; the script should not hear of it.
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             self._global_handles = [
                 torch_module.register_module_forward_pre_hook(self._global_pre),
                 torch_module.register_module_forward_hook(self._global_post, always_call=True),
             ]
-        elif not wanted and self._global_handles:
+        elif not active and self._global_handles:
             for handle in self._global_handles:
                 handle.remove()
             self._global_handles = []
-        active = any(j.ended is None for j in self._jobs.values())
         if active and not self._step_handles:
             self._step_handles = [
                 torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
@@ -313,33 +340,54 @@ class Engine:
             self._step_handles = []
 
     def _global_pre(self, module, args):
+        if torch.compiler.is_dynamo_compiling() or libstate.tracing():
+            return  # traced or exported graphs hold none of ours (dynamo traces hooks too)
         job = self._job()
-        if job is None or not job.discovering:
+        if job is None:
             return
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        if depth == 0 and not any(m.module is module for m in job.models):
-            model = self._adopt(job, module)
-            # The model's own hooks were added during this call: its pre-hooks run
-            # from the next call on, its post-hooks already in this one.
-            self._root_pre(model, module, args, {})
+        if job.discovering:
+            depth = getattr(self._local, "depth", 0)
+            self._local.depth = depth + 1
+            if depth == 0 and module not in self._roots:
+                self._adopt(job, module)
+        model = self._roots.get(module)
+        if model is not None and job.current is None:
+            self._root_pre(model, module, args, _call_kwargs())
+            return
+        current = job.current  # a model called inside another is one of its nodes
+        if current is None:
+            return
+        if current.plan is None:
+            name = current.node_names.get(module)
+            if name is not None:
+                self._profile_node(job, current, name)
+            return
+        entry = self._entries.get(module)
+        if entry is not None:
+            self._enter_group(*entry)
 
     def _global_post(self, module, args, output):
+        if torch.compiler.is_dynamo_compiling() or libstate.tracing():
+            return
         job = self._job()
-        if job is not None and job.discovering:
+        if job is None:
+            return
+        if job.discovering:
             self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        current = job.current
+        if current is None:
+            return
+        if current.model.module is module:
+            self._root_post(current.model)
+        elif current.plan is None and module in current.node_names:
+            self._profile_output(current, output)
 
     def _adopt(self, job: _Job, module: torch.nn.Module) -> _Model:
         label = type(module).__name__
         if any(m.label == label for m in job.models):
             label = f"{label}{len(job.models)}"
         model = _Model(module, label)
-        model.handles = [
-            module.register_forward_pre_hook(
-                lambda mod, args, kwargs: self._root_pre(model, mod, args, kwargs), with_kwargs=True
-            ),
-            module.register_forward_hook(lambda mod, args, out: self._root_post(model), always_call=True),
-        ]
+        self._roots[module] = model
         with self._cond:
             job.models.append(model)
             job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
@@ -366,6 +414,10 @@ class Engine:
             return  # a forward re-run inside backward (checkpointing): never block there
         if model not in job.models:
             return
+        if job.passes and job.name in self.scheduler.jobs and not self.scheduler.jobs[job.name].settled:
+            with self._cond:  # a second pass: whatever its first iteration created exists
+                self.scheduler.settle(job.name)
+                self._cond.notify_all()
         signature = _signature(args, kwargs)
         plan = model.plans.get(signature)
         now = time.perf_counter()
@@ -400,8 +452,7 @@ class Engine:
         job.current = None
         if current.saved_hooks is not None:
             current.saved_hooks.__exit__(None, None, None)
-        for handle in current.profile_handles:
-            handle.remove()
+        current.node_names = {}
         with self._cond:
             if current.plan is None and not failed:
                 self._finish_profile(job, current)
@@ -429,13 +480,7 @@ class Engine:
         job.profiles += 1
         model = current.model
         current.nodes.append(Node(""))
-        for name, sub in model.module.named_modules():
-            if sub is model.module:
-                continue
-            current.profile_handles.append(sub.register_forward_pre_hook(
-                lambda mod, args, name=name: self._profile_node(job, current, name)))
-            current.profile_handles.append(sub.register_forward_hook(
-                lambda mod, args, out, name=name: self._profile_output(current, out)))
+        current.node_names = {sub: name for name, sub in model.module.named_modules() if sub is not model.module}
 
     def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
         if job.current is not current or self._job() is not job:
@@ -461,14 +506,14 @@ class Engine:
         model = current.model
         model.plans[current.signature] = plan
         for index, group in enumerate(plan.groups):
-            if index > 0 and group.entry not in model.entry_hooks:
-                sub = model.module.get_submodule(group.entry)
-                model.entry_hooks[group.entry] = sub.register_forward_pre_hook(
-                    lambda mod, args, entry=group.entry: self._enter_group(model, entry))
+            if index > 0 and group.entry not in model.entries:
+                model.entries.add(group.entry)
+                self._entries[model.module.get_submodule(group.entry)] = (model, group.entry)
         claim = job.retained
         if self.device != "cpu":
             claim += plan.transient_bytes  # the allocator sees transients too
-        self.scheduler.end_profile(job.name, claim)
+        # Settled once its optimizer state exists (the first step) or, without one, at its next pass.
+        self.scheduler.end_profile(job.name, claim, settled=False)
         self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
         current.group = len(plan.groups) - 1
 
@@ -503,6 +548,8 @@ class Engine:
                 if decision is Decision.TOO_LARGE:
                     job.failed = self._too_large_message(job, want)
                 self._wait_for_memory(job)
+            if job.waiting_since:
+                self._tell(job.name, "running")
             job.waiting_since = 0.0
             job.reserved = want
             self._waited(job, f"wait g{group}", started)
@@ -515,6 +562,8 @@ class Engine:
         while True:
             decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
             if decision is Decision.GRANT:
+                if job.waiting_since:
+                    self._tell(job.name, "running")
                 job.waiting_since = 0.0
                 return
             if decision is Decision.TOO_LARGE:
@@ -529,6 +578,7 @@ class Engine:
             # A new waiter changes what the others may do (the scheduler's preferences
             # give way when everyone waits): let them look again.
             job.waiting_since = time.perf_counter()
+            self._tell(job.name, "waiting")
             self._cond.notify_all()
         victim = self.scheduler.stuck_victim()
         if victim is not None:
@@ -649,6 +699,8 @@ class Engine:
                 job.persistent_reserved = job.persistent_peak
                 if job.name in self.scheduler.jobs:
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
+                    self.scheduler.settle(job.name)
+                    self._cond.notify_all()  # a queued job may fit now
         if job.discovering:
             with self._cond:
                 job.discovering = False
@@ -738,6 +790,21 @@ def _flat_tensors(value):
     elif isinstance(value, dict):
         for item in value.values():
             yield from _flat_tensors(item)
+
+
+def _call_kwargs() -> dict:
+    """The keyword arguments of the module call being hooked. Global forward pre-hooks
+    are not given them (torch has `with_kwargs` for module-level ones only), so they
+    are read from `Module._call_impl`'s frame, a few frames up; {} if not found."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "_call_impl":
+            kwargs = frame.f_locals.get("kwargs")
+            return kwargs if isinstance(kwargs, dict) else {}
+        frame = frame.f_back
+    return {}
 
 
 def _signature(args, kwargs) -> tuple:

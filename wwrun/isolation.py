@@ -401,6 +401,11 @@ class _ThreadStream(io.TextIOBase):
         if job:
             self._call("close")
 
+    def __del__(self):
+        # IOBase's finalizer calls close(): a view replaced by a newer one (install()
+        # re-wraps) and collected in a job's thread closed that job's stream.
+        pass
+
     @property
     def closed(self):
         return self._target().closed

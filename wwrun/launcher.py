@@ -8,12 +8,25 @@ failure (the root cause), or 0.
 
 Signals: the first SIGINT/SIGTERM reaches every running job (its own handler if it
 set one, else KeyboardInterrupt) and starts nothing more; jobs then have `grace_period_s` to end. The second ends the
-process at once with code 130. Child processes the jobs started are ended with the run.
+process at once with code 130. Child processes the jobs started are ended with the run,
+orphaned ones too (the launcher is a child subreaper while it runs).
+
+Sweeps: a job's `timeout` ends it alone as SIGTERM would (exit code 124, as GNU
+timeout); the run's `timeout` ends every job so. A failed job is queued again up to
+`retries` times, each attempt logged in `<job>/attempt_N/`; after running out of
+memory, once another job has ended. `halt` (GNU parallel's --halt): after the first
+failure start nothing new (`soon`) or also interrupt the running jobs (`now`).
+
+A crash of the process (a segfault in one job's C extension) cannot be contained by
+threads: `<run>/crash.log` then holds every thread's stack and which thread ran
+which job, and `<run>/report.json`, rewritten while the run goes on, every job's
+state and last lines (`wwrun show`).
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
 import datetime
 import enum
 import io
@@ -21,6 +34,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -29,22 +43,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wwrun import isolation, libstate
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, resolve_size
+from wwrun.config import ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size
 from wwrun.output import JobOutput, Pump
 
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
 EXIT_INTERRUPTED = 130
+EXIT_TIMEOUT = 124  # as GNU timeout
 
 
 class JobState(str, enum.Enum):
     """Where a job is in its life.
 
     pending -> queued -> running -> succeeded | failed | interrupted
-    running <-> waiting          (its next NodeGroup waits for memory)
-    pending | queued -> cancelled (the run was interrupted before the job started)
+    pending -> running            (a slot was free at once)
+    running -> queued -> running  (admission beside the running jobs' memory; a retry)
+    running <-> waiting           (its next NodeGroup waits for memory)
+    pending | queued -> cancelled (interrupt, --halt or the run's timeout before it started)
 
-    `queued`: waiting for a slot (`max_concurrent`, `sequential`) or for admission
-    beside the running jobs' memory; its script has not started.
+    `queued`: waiting for a slot (`max_concurrent`, `sequential`), for admission
+    beside the running jobs' memory (the engine says so), or to be retried; its
+    script (attempt) has not started.
     """
 
     PENDING = "pending"
@@ -154,6 +172,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
     """
     from wwrun.display import make_display
 
+    preflight(config)  # every check that can be made before anything starts
     isolation.install()
     libstate.install()
     return _Runner(config, display or make_display(config)).run()
@@ -177,20 +196,35 @@ def resolve_device(requested: str) -> str:
 
 
 class _Job:
-    """One running copy of a JobSpec."""
+    """One running copy of a JobSpec (its attempts, when it is retried)."""
 
-    def __init__(self, spec: JobSpec, index: int, run_dir: Path, launcher_cwd: str):
+    def __init__(self, spec: JobSpec, index: int, run_dir: Path, launcher_cwd: str, retries: int):
         self.spec = spec
         self.index = index
+        self.folder = run_dir / spec.name
+        self.retries = retries
         cwd = spec.cwd or launcher_cwd
         self.result = JobResult(
             name=spec.name, script=spec.script, module=spec.module, args=list(spec.args),
-            cwd=cwd, log_dir=str(run_dir / spec.name),
+            cwd=cwd, log_dir=str(self.folder),
         )
         self.output: JobOutput | None = None
         self.context: isolation.JobContext | None = None
         self.thread: threading.Thread | None = None
         self.interrupted = False
+        self.attempts = 0
+        self.out_of_memory = False
+        """The last attempt failed for want of memory: a retry waits for another job's end."""
+        self.retry_after_ends = 0
+        self.stop: tuple[int, str] | None = None
+        """(exit code, error) the launcher ended this job with (timeout, --halt now)."""
+        self.stop_asked_at: float | None = None
+        self.stop_delivered = False
+        self.deadline: float | None = None
+
+    def attempt_folder(self) -> Path:
+        """`<job>/attempt_N/` when the job may be retried (as torchrun's attempts), else `<job>/`."""
+        return self.folder / f"attempt_{self.attempts - 1}" if self.retries else self.folder
 
 
 class _Runner:
@@ -199,15 +233,26 @@ class _Runner:
         self.display = display
         self.policy = config.resolved_policy
         self.device = resolve_device(config.device)
-        self.run_dir = Path(config.log_dir).absolute() / config.run_id
+        self.log_root = Path(config.log_dir).absolute()
+        self.run_dir = self.log_root / config.run_id
         launcher_cwd = os.getcwd()
-        self.jobs = [_Job(spec, i, self.run_dir, launcher_cwd) for i, spec in enumerate(config.jobs)]
+        self.jobs = [
+            _Job(spec, i, self.run_dir, launcher_cwd, config.retries if spec.retries is None else spec.retries)
+            for i, spec in enumerate(config.jobs)
+        ]
         self._cond = threading.Condition()
         self._interrupted_at: float | None = None
+        self._halted: str | None = None
+        """Why nothing new starts (a failure under --halt, the run's timeout)."""
+        self._ends = 0
         self._events = _EventLog(config.events, config.run_id)
         self._children_before: set[int] = set()
+        self._report_due = 0.0
+        self._crash_log = None
         self.started = time.time()
         self.allocator = self._install_allocator()
+        if self.allocator == "native":
+            refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
         self.capacity = self._capacity()
         self.engine = self._make_engine()
         self._expected_releases: dict[str, int] = {}
@@ -217,9 +262,14 @@ class _Runner:
     def run(self) -> RunResult:
         from wwrun.recipe import dump_recipe
 
+        # The log folder is made only now that jobs start: a refused run leaves none.
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "recipe.yaml").write_text(dump_recipe(self.config))
+        _point_latest(self.log_root, self.run_dir)
+        self.display.note(f"run {self.config.run_id}: logs in {self.run_dir}", important=False)
         self._children_before = _child_pids()
+        end_subreaper = _become_subreaper()
+        end_crash_log = self._watch_for_crashes()
         pump = Pump(self.display.line)
         restore_signals = self._install_signal_handlers()
         self.display.start(self)
@@ -232,12 +282,15 @@ class _Runner:
             restore_threads()
             restore_signals()
             self._end_children()
+            end_subreaper()
+            end_crash_log()  # still here: no crash to tell of
             for job in self.jobs:
                 if job.output:
                     job.output.close_writers()
             pump.close()
             self._events.close()
         result = self._result()
+        self._write_report(result)
         self._write_outputs()
         self.display.stop(result)
         if self.config.explain:
@@ -261,30 +314,94 @@ class _Runner:
                 self.display.note(f"no memory plot: {err}")
 
     def _schedule(self, pump: Pump) -> None:
+        """Start jobs as slots free up, enforce timeouts and --halt, and return when
+        every job has ended. Never waits on a thread that is gone, nor unboundedly."""
         limit = self.concurrency
-        waiting = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
+        self._queue = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
+        run_deadline = time.monotonic() + self.config.timeout if self.config.timeout else None
         with self._cond:
             while True:
-                running = [j for j in self.jobs if j.result.state == JobState.RUNNING]
+                now = time.monotonic()
+                self._reap_dead_threads()
+                active = self._active()
+                if run_deadline is not None and now > run_deadline and self._halted is None:
+                    self._halted = f"the run timed out after {_seconds(self.config.timeout)}"
+                    for job in active:
+                        self._stop(job, EXIT_TIMEOUT, self._halted)
+                for job in active:
+                    if job.stop is not None and not job.stop_delivered:  # asked before its thread ran
+                        self._deliver_stop(job)
+                    if job.deadline is not None and now > job.deadline and job.stop is None:
+                        self._stop(job, EXIT_TIMEOUT, f"timed out after {_seconds(job.spec.timeout)}")
+                    elif job.stop_asked_at is not None and now > job.stop_asked_at + self.config.grace_period_s:
+                        self._finish(job, *job.stop, abandoned=True)
+                if self._interrupted_at is not None or self._halted is not None:
+                    for job in self._queue:
+                        self._set_state(job, JobState.CANCELLED, why=self._halted or "the run was interrupted")
+                    self._queue = []
+                active = self._active()
                 if self._interrupted_at is not None:
-                    for job in waiting:
-                        self._set_state(job, JobState.CANCELLED)
-                    waiting = []
-                    if not running or time.monotonic() > self._interrupted_at + self.config.grace_period_s:
-                        for job in running:  # past the grace period: abandoned, reported as such
-                            self._finish(job, EXIT_INTERRUPTED, "did not stop within the grace period")
+                    if not active or now > self._interrupted_at + self.config.grace_period_s:
+                        for job in active:  # past the grace period: abandoned, reported as such
+                            self._finish(job, EXIT_INTERRUPTED, "did not stop within the grace period", abandoned=True)
                         return
-                while waiting and len(running) < limit:
-                    job = waiting.pop(0)
+                while self._queue and len(active) < limit:
+                    job = self._next_to_start(active)
+                    if job is None:
+                        break
+                    self._queue.remove(job)
                     self._start(job, pump)
-                    running.append(job)
-                if not running and not waiting:
+                    active.append(job)
+                for job in self._queue:
+                    if job.result.state == JobState.PENDING:
+                        self._set_state(job, JobState.QUEUED)
+                if not active and not self._queue:
                     return
+                self._refresh_report(now)
                 self._cond.wait(0.25)
+
+    def _active(self) -> list[_Job]:
+        """Jobs started and not yet ended (running, waiting, or queued for admission)."""
+        return [j for j in self.jobs if j.thread is not None and not j.result.state.is_final
+                and j not in self._queue]
+
+    def _next_to_start(self, active: list[_Job]) -> _Job | None:
+        """The first job in the queue that may start; a retry after running out of
+        memory waits until another job has ended (memory then frees up), unless
+        nothing else runs."""
+        for job in self._queue:
+            if not job.out_of_memory or self._ends > job.retry_after_ends or not active:
+                return job
+        return None
+
+    def _reap_dead_threads(self) -> None:
+        """A job whose thread has ended without reporting is finished here: the
+        launcher never waits on a thread that is gone."""
+        for job in self._active():
+            if not job.thread.is_alive():
+                self._finish(job, 1, "the job's thread ended without reporting how (a wwrun bug)")
+
+    def _stop(self, job: _Job, code: int, error: str) -> None:
+        """End one job as SIGTERM would (its handler, else KeyboardInterrupt); it has
+        the grace period to stop, then it is abandoned."""
+        job.stop = (code, error)
+        job.stop_asked_at = time.monotonic()
+        job.stop_delivered = False
+        self._deliver_stop(job)
+
+    def _deliver_stop(self, job: _Job) -> None:
+        if job.context is not None and job.context.thread_id:
+            job.stop_delivered = True
+            isolation.deliver_signal(job.context, signal.SIGTERM)
 
     def _start(self, job: _Job, pump: Pump) -> None:
         spec = job.spec
-        job.output = JobOutput(spec.name, self.run_dir / spec.name)
+        job.attempts += 1
+        job.interrupted = False
+        folder = job.attempt_folder()
+        job.result.log_dir = str(folder)
+        job.result.extra["attempts"] = job.attempts
+        job.output = JobOutput(spec.name, folder)
         pump.add(job.output)
         script_dir = os.path.dirname(spec.script) if spec.script else job.result.cwd
         job.context = isolation.JobContext(
@@ -300,10 +417,16 @@ class _Runner:
             stdin=isolation.job_stdin(spec.stdin or len(self.jobs) == 1),
         )
         job.result.started = time.time()
+        job.result.ended = job.result.exit_code = job.result.error = None
+        job.deadline = time.monotonic() + spec.timeout if spec.timeout else None
+        job.stop = job.stop_asked_at = None
+        job.out_of_memory = False
         self._set_state(job, JobState.RUNNING)
         # Daemon: a job stuck past the grace period must not keep the process alive.
         job.thread = threading.Thread(target=self._job_main, args=(job,), name=f"wwrun:{spec.name}", daemon=True)
         job.thread.start()
+        self._note_thread(job)
+        self._report_due = 0.0  # the running report names the new thread at once
 
     def _job_environ(self, job: _Job) -> dict[str, str]:
         env = dict(isolation.process_environ())
@@ -319,10 +442,26 @@ class _Runner:
     # -- inside the job's thread ----------------------------------------------------
 
     def _job_main(self, job: _Job) -> None:
+        code, error = 1, "wwrun failed to run the job"
+        try:
+            code, error = self._run_job(job)
+        except BaseException as exc:  # noqa: BLE001 - a bug of ours, or a late async interrupt
+            code, error = 1, f"wwrun: {type(exc).__name__}: {exc}"
+        finally:
+            # Whatever happened above, the launcher hears that this job ended: it
+            # waits on the job's state, and a thread that dies silently would leave
+            # it waiting forever (issue 11).
+            with self._cond:
+                if not job.result.state.is_final:
+                    self._finish(job, code, error)
+                self._cond.notify_all()
+
+    def _run_job(self, job: _Job) -> tuple[int, str | None]:
         ctx = job.context
         code, error = 0, None
         try:
             isolation.enter(ctx)
+            _threads_default_to_non_daemon()
             self._prepare_device(job)
             if self.engine is not None:  # may wait until the job fits beside the others
                 self.engine.job_started(job.spec.name, job.spec.priority)
@@ -331,15 +470,16 @@ class _Runner:
             code, error = _outcome(exc, ctx)
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
-        if self.engine is not None:  # hands back every byte it reserved, wakes the others
-            self.engine.job_finished(job.spec.name)
-        try:
-            isolation.run_atexit_handlers(ctx)
+            job.out_of_memory = _is_out_of_memory(exc)
+        try:  # as at interpreter exit: first the non-daemon threads, then atexit
             _join_job_threads(ctx)
+            isolation.run_atexit_handlers(ctx)
         except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
             if code == 0:
                 code, error = _outcome(exc, ctx)
         finally:
+            if self.engine is not None:  # hands back every byte it reserved, wakes the others
+                self.engine.job_finished(job.spec.name)
             for stream in (ctx.stdout, ctx.stderr):
                 try:
                     stream.flush()
@@ -347,11 +487,8 @@ class _Runner:
                     pass
             ctx.stdin.close()
             isolation.leave()
-        self._release_device(job)
-        with self._cond:
-            if not job.result.state.is_final:
-                self._finish(job, code, error)
-            self._cond.notify_all()
+            self._release_device(job)
+        return code, error
 
     def _install_allocator(self) -> str | None:
         """On CUDA, the memory-flow allocator (built at first use), before any CUDA
@@ -403,7 +540,15 @@ class _Runner:
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
+        engine.state_listeners.append(self._on_engine_state)
         return engine
+
+    def _on_engine_state(self, name: str, state: str) -> None:
+        """From the engine, on the job's thread: queued for admission, waiting for
+        memory for its next NodeGroup, or running again."""
+        job = next((j for j in self.jobs if j.spec.name == name), None)
+        if job is not None and not job.result.state.is_final:
+            self._set_state(job, JobState(state))
 
     def _expect_releases(self, job: str, held: int) -> None:
         """Backward progress, from the engine: jobs still holding activations are
@@ -439,34 +584,82 @@ class _Runner:
 
     # -- bookkeeping ----------------------------------------------------------------
 
-    def _finish(self, job: _Job, code: int, error: str | None) -> None:
+    def _finish(self, job: _Job, code: int, error: str | None, abandoned: bool = False) -> None:
+        """The job (or one attempt of it) ended: record it, then retry it, or halt
+        the run, as the config says. Called under `_cond`."""
         result = job.result
         result.ended = time.time()
+        self._ends += 1
+        if job.stop is not None:  # the launcher ended it: its code and reason, whatever the script did
+            code, error = job.stop
+            if abandoned:
+                error += " (did not stop within the grace period)"
+        if abandoned and self.engine is not None:
+            # Its thread goes on, but the memory it reserved and its hooks go back now.
+            self.engine.job_finished(job.spec.name)
         result.exit_code = code
         result.error = error
         if code == 0:
             state = JobState.SUCCEEDED
+        elif job.stop is not None:
+            state = JobState.FAILED if code == EXIT_TIMEOUT else JobState.INTERRUPTED
         elif job.interrupted or code == EXIT_INTERRUPTED and self._interrupted_at is not None:
             state = JobState.INTERRUPTED
         else:
             state = JobState.FAILED
         if code != 0:
             _write_error_json(job, code, error)
+        if state == JobState.FAILED and self._may_retry(job):
+            self.display.note(
+                f"{job.spec.name} failed ({error or f'exit {code}'}): attempt {job.attempts + 1} of "
+                f"{job.retries + 1}{', once memory frees up' if job.out_of_memory else ''}"
+            )
+            job.retry_after_ends = self._ends
+            job.thread = None
+            self._queue.append(job)
+            self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
+            self._set_state(job, JobState.QUEUED)
+            return
         self._set_state(job, state)
+        if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
+            self._halted = f"not started: {job.spec.name} failed (--halt {self.config.halt})"
+            if self.config.halt == "now":
+                for other in self._active():
+                    if other is not job and other.stop is None:
+                        other.interrupted = True
+                        self._stop(other, EXIT_INTERRUPTED, f"interrupted: {job.spec.name} failed (--halt now)")
 
-    def _set_state(self, job: _Job, state: JobState) -> None:
+    def _may_retry(self, job: _Job) -> bool:
+        """A failed attempt is queued again while retries are left, unless the run is
+        stopping or the attempt's thread is still alive (abandoned past its grace)."""
+        if job.attempts > job.retries or self._interrupted_at is not None or self._halted is not None:
+            return False
+        if job.stop is not None and job.stop[0] != EXIT_TIMEOUT:
+            return False
+        return job.thread is None or job.thread is threading.current_thread() or not job.thread.is_alive()
+
+    def _set_state(self, job: _Job, state: JobState, why: str | None = None) -> None:
         job.result.state = state
+        if why is not None and state == JobState.CANCELLED:
+            job.result.error = why
         self._events.emit(job, state)
         self.display.state(job.result)
 
-    def _result(self) -> RunResult:
+    def _result(self, partial: bool = False) -> RunResult:
+        """The run's result; `partial` while it goes on (for the running report: no
+        engine figures, but each job's threads and last lines, for a crash)."""
         results = [job.result for job in self.jobs]
         for result in results:
+            if partial:
+                break
             figures = self._allocator_figures(result.name)
             if figures:
                 result.extra["peak_memory_bytes"] = figures["peak"]
             if self.engine is not None and result.started is not None:
-                result.extra.update(self.engine.job_report(result.name))
+                try:
+                    result.extra.update(self.engine.job_report(result.name))
+                except KeyError:  # it failed before the engine saw it (no such script, ...)
+                    pass
         failures = [r for r in results if r.exit_code not in (0, None)]
         failures.sort(key=lambda r: r.ended or float("inf"))
         cancelled = any(r.state == JobState.CANCELLED for r in results)
@@ -476,8 +669,74 @@ class _Runner:
             run_id=self.config.run_id, device=self.device, policy=self.policy, jobs=results,
             started=self.started, ended=time.time(), log_dir=str(self.run_dir),
             exit_code=exit_code, root_cause=root.name if root else None,
-            extra=self._run_extra(),
+            extra={"state": "running"} if partial else {"state": "ended", **self._run_extra()},
         )
+
+    def _refresh_report(self, now: float) -> None:
+        """Rewrite <run>/report.json while the run goes on (about once a second): if the
+        process dies (a segfault in one job), what is known stays on disk."""
+        if now < self._report_due:
+            return
+        self._report_due = now + REPORT_EVERY_S
+        data = self._result(partial=True).to_dict()
+        for job, record in zip(self.jobs, data["jobs"]):
+            record["threads"] = [_thread_hex(t.ident) for t in self._threads_of(job)]
+            record["last_lines"] = list(job.output.tail) if job.output else []
+        self._write_report_data(data)
+
+    def _write_report(self, result: RunResult) -> None:
+        self._write_report_data(result.to_dict())
+
+    def _write_report_data(self, data: dict) -> None:
+        path = self.run_dir / "report.json"
+        try:
+            partial = path.with_suffix(".json.tmp")
+            partial.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(partial, path)
+        except OSError as err:
+            self.display.note(f"could not write {path}: {err}")
+
+    def _threads_of(self, job: _Job) -> list[threading.Thread]:
+        threads = [job.thread] if job.thread is not None and job.thread.is_alive() else []
+        if job.context is not None:
+            threads += [t for t in list(job.context.threads) if t.is_alive()]
+        return threads
+
+    def _watch_for_crashes(self) -> Callable[[], None]:
+        """A segfault or abort in one job ends the process (threads cannot prevent it):
+        faulthandler then writes every thread's stack into <run>/crash.log, whose
+        first lines say which thread runs which job (see `_note_thread`); report.json
+        holds every job's state and last lines. Removed after a clean end."""
+        import faulthandler
+
+        path = self.run_dir / "crash.log"
+        was_enabled = faulthandler.is_enabled()
+        try:
+            self._crash_log = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            faulthandler.enable(self._crash_log, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            return lambda: None
+
+        def end():
+            faulthandler.disable()
+            if was_enabled:
+                try:
+                    faulthandler.enable(sys.__stderr__, all_threads=True)
+                except (AttributeError, OSError, ValueError, RuntimeError):
+                    pass
+            self._crash_log.close()
+            self._crash_log = None
+            path.unlink(missing_ok=True)
+
+        return end
+
+    def _note_thread(self, job: _Job) -> None:
+        if self._crash_log is None:
+            return
+        self._crash_log.write(
+            f"wwrun: thread {_thread_hex(job.thread.ident)} runs job {job.spec.name} (attempt {job.attempts - 1})\n"
+        )
+        self._crash_log.flush()
 
     def _run_extra(self) -> dict:
         extra = {"memory_limit_bytes": self.capacity}
@@ -490,9 +749,7 @@ class _Runner:
     @property
     def concurrency(self) -> int:
         """How many jobs may run at once."""
-        if self.policy == "sequential":
-            return 1
-        return min(self.config.max_concurrent or len(self.jobs), len(self.jobs))
+        return self.config.concurrency
 
     def _share_cpu_threads(self) -> Callable[[], None]:
         """Divide torch's intra-op threads among the jobs that run at once.
@@ -562,7 +819,8 @@ class _Runner:
             f"interrupted: stopping every job (up to {self.config.grace_period_s:g}s; again to force)"
         )
         for job in self.jobs:
-            if job.result.state == JobState.RUNNING and job.context and job.context.thread_id:
+            started = job.thread is not None and not job.result.state.is_final  # running, waiting or admitting
+            if started and job.context and job.context.thread_id:
                 job.interrupted = True
                 isolation.deliver_signal(job.context, signum)
 
@@ -587,6 +845,48 @@ class _Runner:
                 child.kill()
             except psutil.Error:
                 pass
+
+
+REPORT_EVERY_S = 1.0
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def _thread_hex(ident: int | None) -> str:
+    """A thread id as faulthandler prints it ('Thread 0x00007f...')."""
+    return f"0x{ident or 0:016x}"
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:g}s"
+
+
+def _point_latest(log_root: Path, run_dir: Path) -> None:
+    """<log_dir>/latest -> the run's folder, replaced atomically."""
+    link = log_root / "latest"
+    staged = log_root / f".latest-{os.getpid()}"
+    try:
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(run_dir.name)
+        os.replace(staged, link)
+    except OSError:  # a file system without links, or 'latest' is a real folder
+        staged.unlink(missing_ok=True)
+
+
+def _become_subreaper() -> Callable[[], None]:
+    """Make orphaned descendants (a job's double-forked daemon, `(setsid cmd &)`)
+    children of this process rather than of init, as systemd and tini do, so that
+    they are found and ended with the run. Linux only; returns the undo."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        before = ctypes.c_int(0)
+        libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            return lambda: None
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: libc.prctl(_PR_SET_CHILD_SUBREAPER, before.value, 0, 0, 0)
 
 
 def _child_pids() -> set[int]:
@@ -635,16 +935,30 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext) -> tuple[int, str | 
             return 0, None
         if isinstance(code, int):
             return code, None if code == 0 else f"exited with code {code}"
-        print(code, file=ctx.stderr)
+        _write_quietly(ctx.stderr, f"{code}\n")
         return 1, str(code)
     if isinstance(exc, isolation.JobExit):
         return exc.code, None if exc.code == 0 else f"os._exit({exc.code})"
     if isinstance(exc, KeyboardInterrupt):
-        ctx.stderr.write("KeyboardInterrupt\n")
+        _write_quietly(ctx.stderr, "KeyboardInterrupt\n")
         return EXIT_INTERRUPTED, "interrupted"
     ctx.traceback = _script_traceback(exc)
-    ctx.stderr.write(ctx.traceback)
+    _write_quietly(ctx.stderr, ctx.traceback)
     return 1, f"{type(exc).__name__}: {exc}"
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, the engine's JobTooLarge, or the host's MemoryError."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"OutOfMemoryError", "JobTooLarge", "MemoryError"})
+
+
+def _write_quietly(stream, text: str) -> None:
+    """Write what Python would print at exit; a job may have closed its own stream."""
+    try:
+        stream.write(text)
+    except (OSError, ValueError):
+        pass
 
 
 def _script_traceback(exc: BaseException) -> str:
@@ -655,11 +969,47 @@ def _script_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _threads_default_to_non_daemon() -> None:
+    """In a job's thread: threads the script starts are non-daemon unless it says
+    otherwise, as under `python script.py`, whose main thread is not a daemon.
+
+    The job's own thread stays a daemon for the interpreter (it was started as one:
+    a job stuck past the grace period must not keep the process alive); only the
+    flag new threads copy from their starter changes."""
+    threading.current_thread()._daemonic = False
+
+
 def _join_job_threads(ctx: isolation.JobContext) -> None:
-    """As at interpreter exit: wait for the non-daemon threads the job started."""
+    """As at interpreter exit: wait for the non-daemon threads the job started,
+    including those they start meanwhile. Short joins, so that an interrupt (Ctrl-C,
+    a timeout) can land in this thread while it waits."""
+    me = threading.current_thread()
+    _shut_down_executors(ctx)
+    while True:
+        pending = [t for t in list(ctx.threads) if t is not me and not t.daemon and t.is_alive()]
+        if not pending:
+            return
+        for thread in pending:
+            thread.join(0.1)
+
+
+def _shut_down_executors(ctx: isolation.JobContext) -> None:
+    """What interpreter exit does for concurrent.futures (its `threading._register_atexit`
+    hook), for this job's executors only: their idle workers are told to stop once
+    the queued work is done, so that a script that never called `shutdown()` ends as
+    under python instead of waiting on them forever. The hook itself is process-wide:
+    it would stop every job's executors."""
+    thread_pools = sys.modules.get("concurrent.futures.thread")
+    process_pools = sys.modules.get("concurrent.futures.process")
     for thread in list(ctx.threads):
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+        reference = None
+        if thread_pools is not None and getattr(thread, "_target", None) is thread_pools._worker:
+            reference = thread._args[0]
+        elif process_pools is not None and isinstance(thread, process_pools._ExecutorManagerThread):
+            reference = thread.executor_reference
+        executor = reference() if reference is not None else None
+        if executor is not None:
+            executor.shutdown(wait=False)
 
 
 def _write_error_json(job: _Job, code: int, error: str | None) -> None:
@@ -673,8 +1023,11 @@ def _write_error_json(job: _Job, code: int, error: str | None) -> None:
         "timestamp": _iso(job.result.ended),
     }
     path = Path(job.result.log_dir) / "error.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError:  # the log folder went away: the report still says it all
+        pass
 
 
 class _EventLog:
@@ -700,6 +1053,7 @@ class _EventLog:
             "index": job.index,
             "state": state.value,
             "exit_code": job.result.exit_code,
+            "attempt": job.attempts,
         }
         with self._lock:
             try:

@@ -11,12 +11,26 @@ seeing the original.
     library     state                            job's view
     ----------  -------------------------------  ---------------------------------------
     matplotlib  pyplot's figures (`Gcf.figs`)    the job's own figures, numbered from 1
+
+Others cannot be made per job, only used by one job at a time. torch's tracers keep
+the trace in progress in module globals (`torch.export`'s module hierarchy and proxy
+mode, `torch.jit.trace`'s graph checks): two jobs tracing at once fail ("Trying to pop
+empty mode stack", "Graphs differed across invocations"). `torch.jit.trace`,
+`torch.jit.trace_module`, `torch.jit.script` and `torch.export.export` take one
+process-wide lock, as dynamo's own `compile_lock` does for `torch.compile`; what they
+produce runs concurrently.
+
+One goes the other way: inductor tells its compiled C++ wrappers an address through
+the environment (`_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`, read with C `getenv`),
+which a job's own `os.environ` would keep from them. The address is the same for
+every job, so it is set once in the process's environment.
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
+import functools
 import importlib.abc
 import sys
 import threading
@@ -80,7 +94,55 @@ def _patch_pylab_helpers(module) -> None:
         module.Gcf.figs = _PerJobFigures(module.Gcf.figs)
 
 
-_PATCHES = {"matplotlib._pylab_helpers": _patch_pylab_helpers}
+_TRACING = threading.RLock()
+_tracer = threading.local()
+
+
+def tracing() -> bool:
+    """Whether this thread is inside `torch.jit.trace`/`script` or `torch.export.export`
+    (the engine's hooks stay out of what they record)."""
+    return getattr(_tracer, "depth", 0) > 0
+
+
+def _one_at_a_time(function):
+    if getattr(function, "__wwrun_locked__", False):
+        return function
+
+    @functools.wraps(function)
+    def locked(*args, **kwargs):
+        with _TRACING:
+            _tracer.depth = getattr(_tracer, "depth", 0) + 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _tracer.depth -= 1
+
+    locked.__wwrun_locked__ = True
+    return locked
+
+
+def _patch_tracers(jit) -> None:
+    for name in ("trace", "trace_module", "script"):
+        setattr(jit, name, _one_at_a_time(getattr(jit, name)))
+
+
+def _patch_export(export) -> None:
+    export.export = _one_at_a_time(export.export)
+
+
+def _share_inductor_address(codecache) -> None:
+    import torch
+
+    address = torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr
+    isolation.process_environ()["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(address)
+
+
+_PATCHES = {
+    "matplotlib._pylab_helpers": _patch_pylab_helpers,
+    "torch.jit": _patch_tracers,
+    "torch.export": _patch_export,
+    "torch._inductor.codecache": _share_inductor_address,
+}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -12,10 +12,15 @@ On-disk layout (like torchrun's)::
     <log_dir>/<run_id>/<job>/stdout.log
     <log_dir>/<run_id>/<job>/stderr.log
     <log_dir>/<run_id>/<job>/error.json       only when the job failed
+    <log_dir>/<run_id>/<job>/attempt_N/...    instead, when the job may be retried
+    <log_dir>/<run_id>/report.json            the run's report (rewritten while it runs)
+    <log_dir>/<run_id>/crash.log              only when the process died of a fatal signal
+    <log_dir>/latest -> <run_id>              the last run started
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import selectors
@@ -27,6 +32,7 @@ LineSink = Callable[[str, str, str], None]
 """on_line(job_name, stream ('stdout'|'stderr'), line without its newline)"""
 
 _CHUNK = 1 << 16
+TAIL_LINES = 10
 
 
 class JobOutput:
@@ -50,6 +56,8 @@ class JobOutput:
         self.stdout = self._text_stream("stdout")
         self.stderr = self._text_stream("stderr")
         self.last_line = ""
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        """The job's last lines (stdout and stderr), for the running report."""
 
     def _text_stream(self, stream: str) -> io.TextIOWrapper:
         raw = io.FileIO(self.fds[stream], "w", closefd=False)
@@ -80,6 +88,7 @@ class JobOutput:
             line = raw.decode("utf-8", "backslashreplace")
             if line.strip():
                 self.last_line = line
+                self.tail.append(line)
             on_line(self.name, stream, line)
 
     def _finish(self, stream: str, on_line: LineSink) -> None:
@@ -88,6 +97,7 @@ class JobOutput:
             self._partial[stream] = b""
             line = rest.decode("utf-8", "backslashreplace")
             self.last_line = line
+            self.tail.append(line)
             on_line(self.name, stream, line)
         self._logs[stream].close()
 
@@ -154,3 +164,94 @@ class Pump:
             self._stopping = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout)
+
+
+def find_run(run: str | None = None, log_root: str = "wwrun_logs") -> Path:
+    """A past run's folder: `run` is a run id under `log_root`, a folder, or None for
+    the latest run (`<log_root>/latest`). Raises FileNotFoundError."""
+    root = Path(log_root)
+    if run is None:
+        folder = root / "latest"
+    elif Path(run).is_dir() and (Path(run) / "report.json").exists():
+        folder = Path(run)
+    else:
+        folder = root / run
+    if not (folder / "report.json").is_file():
+        what = f"run {run!r}" if run else "no run yet"
+        raise FileNotFoundError(f"{what}: no report.json under {folder}")
+    return folder.resolve()
+
+
+def show_run(run: str | None = None, log_root: str = "wwrun_logs", file=None) -> int:
+    """Print a past run's summary from its report.json (and crash.log, when the
+    process crashed): `wwrun show [RUN]`. Returns 0, or 2 when there is no such run."""
+    import json
+    import sys
+
+    out = file or sys.stdout
+    try:
+        folder = find_run(run, log_root)
+        data = json.loads((folder / "report.json").read_text())
+    except (FileNotFoundError, ValueError) as err:
+        print(f"wwrun: error: {err}", file=sys.stderr)
+        return 2
+    info, jobs = data["run"], data["jobs"]
+    crash = crash_summary(folder)
+    state = info.get("state", "ended")
+    if crash:
+        state = "crashed"
+    elif state == "running":
+        state = "running, or ended without a word (the report was last written while it ran)"
+    if info.get("state", "ended") == "ended":
+        outcome = f"exit code {info['exit_code']}, {info['wall_s']}s"
+    else:
+        outcome = f"last report after {info['wall_s']}s"
+    print(f"run {info['run_id']} ({state}): device {info['device']}, policy {info['policy']}, {outcome}",
+          file=out)
+    print(f"logs: {folder}", file=out)
+    if crash:
+        print(crash, file=out)
+    width = max(len(j["name"]) for j in jobs)
+    for job in jobs:
+        attempts = job.get("attempts", 1)
+        again = f", {attempts} attempts" if attempts > 1 else ""
+        code = "" if job["exit_code"] is None else f" exit {job['exit_code']}"
+        line = f"  {job['name']:<{width}}  {job['state']:<11}{code}{again}"
+        if job.get("error"):
+            line += f"  {job['error']}"
+        print(line, file=out)
+        if state != "ended" and job.get("last_lines"):
+            print(f"  {'':<{width}}  last: {job['last_lines'][-1]}", file=out)
+    if info.get("root_cause"):
+        print(f"root cause: {info['root_cause']} (exit code {info['exit_code']})", file=out)
+    return 0
+
+
+def crash_summary(folder: Path) -> str | None:
+    """'crashed in job X: Fatal Python error: ...' from a run's crash.log, else None.
+
+    crash.log (written by faulthandler when the process dies of a fatal signal)
+    starts with one 'wwrun: thread 0x... runs job NAME' line per job attempt; the
+    running report.json adds the threads each job started."""
+    import json
+    import re
+
+    path = folder / "crash.log"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    fatal = re.search(r"^Fatal Python error: .*$", text, re.M)
+    if not fatal:
+        return None
+    owners = dict(re.findall(r"^wwrun: thread (0x[0-9a-f]+) runs job (\S+)", text, re.M))
+    try:
+        for job in json.loads((folder / "report.json").read_text())["jobs"]:
+            for thread in job.get("threads", []):
+                owners.setdefault(thread, job["name"])
+    except (OSError, ValueError, KeyError):
+        pass
+    current = re.search(r"^Current thread (0x[0-9a-f]+)", text, re.M)
+    where = owners.get(current.group(1)) if current else None
+    job = f"in job {where}" if where else "outside any job's threads"
+    return f"the process crashed {job}: {fatal.group(0)} (stacks in {path})"

@@ -12,6 +12,10 @@
           zip: {seed: [0, 1]}       # lists of equal length, taken pairwise
         repeat: 2                   # each point twice; {repeat} is 0, then 1
 
+`{key}` in args or name is a sweep value (or the repeat index); `{{key}}` is the
+literal text `{key}`. A sweep and a repeat may make at most MAX_JOBS jobs in all,
+counted before any is made.
+
 One entry expands into one job per sweep point and repeat. `load_recipe` checks
 everything before anything runs; each problem is one `ConfigError` line naming the
 file, the key path and, for a typo, the closest valid key:
@@ -30,6 +34,7 @@ anything starts).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import shlex
@@ -37,25 +42,25 @@ from pathlib import Path
 
 import yaml
 
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, closest, parse_size
+from wwrun.config import (
+    MAX_JOBS, ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
+    shorten,
+)
+from wwrun.config import options as options_of
 
 TOP_KEYS = ("defaults", "jobs")
-OPTION_KEYS = (
-    "device", "memory_limit", "policy", "max_concurrent", "queue", "nodegroups",
-    "log_dir", "tee", "report", "events", "quiet", "explain", "trace", "memory_plot",
-)
-JOB_KEYS = (
-    "name", "script", "module", "args", "env", "cwd", "priority", "memory_limit",
-    "stdin", "repeat", "sweep",
-)
+# The options and job keys are the config dataclasses' fields: declared once, there.
+OPTION_KEYS = tuple(f.name for f in options_of(LaunchConfig))
+JOB_FIELDS = tuple(f.name for f in options_of(JobSpec))
+JOB_KEYS = (*JOB_FIELDS, "repeat", "sweep")
 SWEEP_KEYS = ("grid", "zip")
 
 # `{key}` fills in a sweep value; any other brace is left as written.
+# `{{key}}` is a literal `{key}` (as in Python's format strings): how the dump writes
+# an argument that holds one, so that it reads back as written.
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PLACEHOLDER_OR_ESCAPED = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SWEEP_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Characters JobSpec refuses in a name (it names a log folder).
-_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._=+,-]")
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def load_recipe(path: str | os.PathLike) -> LaunchConfig:
@@ -63,7 +68,7 @@ def load_recipe(path: str | os.PathLike) -> LaunchConfig:
 
     Raises `ConfigError` with a one-line message, `<file>: <key path>: <problem>`.
     """
-    label = os.fspath(path)
+    label = shorten(os.fspath(path), 200)
     try:
         data = _read_yaml(Path(path))
         return _config_from(data, Path(os.path.abspath(path)))
@@ -79,7 +84,7 @@ def dump_recipe(config: LaunchConfig) -> str:
     """
     import wwrun  # here, not at the top: the package's __init__ may import this module
 
-    options = {key: _dump_option(getattr(config, key)) for key in OPTION_KEYS}
+    options = {f.name: _dump_value(f, getattr(config, f.name)) for f in options_of(LaunchConfig)}
     jobs = [_dump_job(job) for job in config.jobs]
     origin = f" from {config.source}" if config.source else ""
     header = (
@@ -123,8 +128,12 @@ def _read_yaml(path: Path):
         raise ConfigError("", "not a text file (expected UTF-8 YAML)") from None
     except OSError as err:
         raise ConfigError("", f"cannot read: {err.strerror}") from None
+    except ValueError:  # a NUL in the path
+        raise ConfigError("", "not a usable path") from None
     try:
         return yaml.load(text, Loader=_RecipeLoader)
+    except RecursionError:
+        raise ConfigError("", "bad YAML: nested too deeply") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -156,7 +165,7 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
     origin_of: dict[str, str] = {}  # job name -> which entry (and sweep point) made it
     for index, entry in enumerate(entries):
         where = f"jobs[{index}]"
-        for job, origin in _expand_job(entry, where, recipe.parent):
+        for job, origin in _expand_job(entry, where, recipe.parent, room=MAX_JOBS - len(jobs)):
             if job.name in origin_of:
                 same_entry = origin_of[job.name].startswith(f"{where} ")
                 hint = (
@@ -172,29 +181,20 @@ def _config_from(data, recipe: Path) -> LaunchConfig:
     try:
         return LaunchConfig(jobs=jobs, source=str(recipe), **options)
     except ConfigError as err:
-        raise err.within("defaults") from None
+        raise (err.within("defaults") if err.where in OPTION_KEYS else err) from None
 
 
 def _read_options(defaults, where: str) -> dict:
-    """The launcher options of `defaults:`, type-checked; LaunchConfig checks values."""
+    """The launcher options of `defaults:`; LaunchConfig checks their values."""
     if not isinstance(defaults, dict):
         raise ConfigError(where, f"expected a mapping of launcher options, got {_kind(defaults)}")
     _check_keys(defaults, OPTION_KEYS, where)
-    checks = {
-        "device": _text, "policy": _text, "queue": _text, "log_dir": _text,
-        "report": _text, "events": _text, "trace": _text, "memory_plot": _text, "memory_limit": _size,
-        "max_concurrent": _integer, "nodegroups": _integer, "tee": _boolean, "quiet": _boolean,
-        "explain": _boolean,
-    }
-    return {
-        key: checks[key](value, f"{where}.{key}")
-        for key, value in defaults.items()
-        if value is not None
-    }
+    return {key: value for key, value in defaults.items() if value is not None}
 
 
-def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
-    """The jobs one `jobs:` entry stands for, each with a description of its origin."""
+def _expand_job(entry, where: str, folder: Path, room: int) -> list[tuple[JobSpec, str]]:
+    """The jobs one `jobs:` entry stands for, each with a description of its origin;
+    more than `room` is an error, found before any job is made."""
     if not isinstance(entry, dict):
         raise ConfigError(where, f"expected a mapping (script:, args:, ...), got {_kind(entry)}")
     _check_keys(entry, JOB_KEYS, where)
@@ -205,29 +205,36 @@ def _expand_job(entry, where: str, folder: Path) -> list[tuple[JobSpec, str]]:
     if "cwd" in given:
         cwd = _absolute(folder, _text(given["cwd"], f"{where}.cwd"))
         if not os.path.isdir(cwd):
-            raise ConfigError(f"{where}.cwd", f"no such folder: {cwd}")
+            raise ConfigError(f"{where}.cwd", f"no such folder: {shorten(cwd, 200)}")
     template = _scalar(given["name"], f"{where}.name") if "name" in given else default_name
     args = _read_args(given.get("args", []), f"{where}.args")
     env = _read_env(given.get("env", {}), f"{where}.env")
-    priority = _integer(given.get("priority", 0), f"{where}.priority", minimum=None)
-    memory_limit = (
-        _size(given["memory_limit"], f"{where}.memory_limit") if "memory_limit" in given else None
-    )
-    stdin = _boolean(given.get("stdin", False), f"{where}.stdin")
+    # The job's other fields, as given: JobSpec checks them.
+    fields = {key: given[key] for key in JOB_FIELDS if key in given} | {"cwd": cwd}
+    for key in ("name", "script", "module", "args", "env"):
+        fields.pop(key, None)
     repeat = _integer(given.get("repeat", 1), f"{where}.repeat")
-    points = _read_sweep(given.get("sweep"), f"{where}.sweep")
-    _check_placeholders(template, args, points[0], given.get("sweep"), where)
+    grid, zipped = _read_sweep(given.get("sweep"), f"{where}.sweep")
+    count = _sweep_size(grid, zipped) * repeat
+    if count > room:
+        made_of = [f"{len(values)} {key}" for key, values in grid.items()]
+        made_of += [f"{len(next(iter(zipped.values())))} zip rows"] if zipped else []
+        made_of += [f"repeat {repeat}"] if repeat > 1 else []
+        before = f"; {MAX_JOBS - room} come before it" if room < MAX_JOBS else ""
+        raise ConfigError(
+            where, f"expands into {count} jobs ({' x '.join(made_of)}){before}: one run holds at most {MAX_JOBS}"
+        )
+    _check_placeholders(template, args, [*grid, *zipped], given.get("sweep"), where)
 
     expanded = []
-    for point in points:
+    for point in _sweep_points(grid, zipped):
         for index in range(repeat):
             values = {**point, "repeat": str(index)}
             try:
                 job = JobSpec(
                     name=_job_name(template, point, index, repeat),
-                    script=script, module=module, cwd=cwd, env=dict(env),
-                    args=[_fill(arg, values) for arg in args],
-                    priority=priority, memory_limit=memory_limit, stdin=stdin,
+                    script=script, module=module, env=dict(env),
+                    args=[_fill(arg, values) for arg in args], **fields,
                 )
             except ConfigError as err:
                 raise err.within(where) from None
@@ -245,19 +252,17 @@ def _read_target(given: dict, where: str, folder: Path) -> tuple[str | None, str
     if "script" in given:
         script = _absolute(folder, _text(given["script"], f"{where}.script"))
         if not os.path.isfile(script):
-            raise ConfigError(f"{where}.script", f"no such file: {script}")
-        return script, None, _NOT_IN_NAMES.sub("_", Path(script).stem)
-    module = _text(given["module"], f"{where}.module")
-    if not _MODULE.match(module):
-        raise ConfigError(f"{where}.module", f"{module!r} is not a module name (like 'pkg.train')")
-    return None, module, module
+            raise ConfigError(f"{where}.script", f"no such file: {shorten(script, 200)}")
+        return script, None, name_from(Path(script).stem)
+    module = _text(given["module"], f"{where}.module")  # JobSpec checks it is a module name
+    return None, module, name_from(module)
 
 
 def _job_name(template: str, point: dict[str, str], index: int, repeat: int) -> str:
     """The template's placeholders filled in, or, with none, the template with a
     suffix per sweep value and repeat: mlp-lr0.1-bs32-0."""
-    safe = {key: _NOT_IN_NAMES.sub("_", value) for key, value in point.items()}
-    if _PLACEHOLDER.search(template):
+    safe = {key: name_part(value) for key, value in point.items()}
+    if _placeholders(template):
         return _fill(template, {**safe, "repeat": str(index)})
     parts = [f"{key}{value}" for key, value in safe.items()]
     parts += [str(index)] if repeat > 1 else []
@@ -284,13 +289,10 @@ def _read_env(env, where: str) -> dict[str, str]:
     return {name: _scalar(value, f"{where}.{name}") for name, value in env.items()}
 
 
-def _read_sweep(sweep, where: str) -> list[dict[str, str]]:
-    """Every point of the sweep, `{key: value}`: each grid combination with each zip row.
-
-    No sweep is one point with no keys.
-    """
+def _read_sweep(sweep, where: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The sweep's grid and zip lists, checked; no sweep is two empty mappings."""
     if sweep is None:
-        return [{}]
+        return {}, {}
     if not isinstance(sweep, dict):
         raise ConfigError(where, f"expected a mapping with 'grid:' and/or 'zip:', got {_kind(sweep)}")
     _check_keys(sweep, SWEEP_KEYS, where)
@@ -305,9 +307,22 @@ def _read_sweep(sweep, where: str) -> list[dict[str, str]]:
         lengths = ", ".join(f"{key} has {len(values)}" for key, values in zipped.items())
         raise ConfigError(f"{where}.zip", f"lists of unequal lengths ({lengths}); zip pairs them up")
 
-    grid_points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+    return grid, zipped
+
+
+def _sweep_size(grid: dict[str, list], zipped: dict[str, list]) -> int:
+    """How many points the sweep has, counted without making them."""
+    rows = len(next(iter(zipped.values()))) if zipped else 1
+    return math.prod(len(values) for values in grid.values()) * rows
+
+
+def _sweep_points(grid: dict[str, list], zipped: dict[str, list]):
+    """Every point of the sweep, `{key: value}`: each grid combination with each zip
+    row. No sweep is one point with no keys."""
     zip_rows = [dict(zip(zipped, row)) for row in zip(*zipped.values())] if zipped else [{}]
-    return [{**point, **row} for point in grid_points for row in zip_rows]
+    for combo in itertools.product(*grid.values()):
+        for row in zip_rows:
+            yield {**dict(zip(grid, combo)), **row}
 
 
 def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
@@ -331,18 +346,18 @@ def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
     return result
 
 
-def _check_placeholders(template: str, args: list[str], point: dict, sweep, where: str) -> None:
-    """Every {key} of the name and args has a value, and every sweep key is used in args."""
+def _check_placeholders(template: str, args: list[str], point: list[str], sweep, where: str) -> None:
+    """Every {key} of the name and args has a value, and every sweep key (`point`) is used in args."""
     keys = [*point, "repeat"]
     texts = [(template, f"{where}.name"), *((arg, f"{where}.args[{i}]") for i, arg in enumerate(args))]
     for text, at in texts:
-        for key in _PLACEHOLDER.findall(text):
+        for key in _placeholders(text):
             if key not in keys:
                 known = closest(key, keys) or (
                     f" (the sweep gives {', '.join(point)})" if point else " (this job has no sweep)"
                 )
                 raise ConfigError(at, f"placeholder {{{key}}} has no sweep value{known}")
-    used = {key for arg in args for key in _PLACEHOLDER.findall(arg)}
+    used = {key for arg in args for key in _placeholders(arg)}
     for key in point:
         if key not in used:
             part = "grid" if key in (sweep.get("grid") or {}) else "zip"
@@ -352,8 +367,22 @@ def _check_placeholders(template: str, args: list[str], point: dict, sweep, wher
             )
 
 
+def _placeholders(text: str) -> list[str]:
+    """The keys of `text`'s placeholders, escaped ones left out."""
+    return [match.group(2) for match in _PLACEHOLDER_OR_ESCAPED.finditer(text) if match.group(2)]
+
+
 def _fill(text: str, values: dict[str, str]) -> str:
-    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
+    """`text` with its placeholders filled in and `{{key}}` made `{key}`."""
+    def one(match: re.Match) -> str:
+        return "{" + match.group(1) + "}" if match.group(1) else values[match.group(2)]
+
+    return _PLACEHOLDER_OR_ESCAPED.sub(one, text)
+
+
+def _escape(text: str) -> str:
+    """`text` as a recipe argument that `_fill` gives back unchanged."""
+    return _PLACEHOLDER.sub(r"{{\1}}", text)
 
 
 def _check_keys(mapping: dict, valid: tuple[str, ...], where: str) -> None:
@@ -398,40 +427,7 @@ def _integer(value, where: str, minimum: int | None = 1) -> int:
     return value
 
 
-def _boolean(value, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(where, f"expected true or false, got {_kind(value)}")
-    return value
-
-
-def _size(value, where: str) -> int | float:
-    """A `parse_size` text or byte count, or a fraction of the device like 0.8."""
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ConfigError(
-            where, f"expected a size like '2GiB', '512MB', '80%' or 0.8, got {_kind(value)}"
-        )
-    try:
-        return parse_size(value)
-    except ValueError as err:
-        raise ConfigError(where, str(err)) from None
-
-
-def _kind(value) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float)):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the string {value!r}" if value else "an empty string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
+_kind = describe
 
 
 # ----------------------------------------------------------------------------- writing
@@ -449,25 +445,23 @@ def _represent_list(dumper: yaml.SafeDumper, items: list):
 _RecipeDumper.add_representer(list, _represent_list)
 
 
-def _dump_option(value):
-    return _percent(value) if isinstance(value, float) else value
+def _dump_value(f, value):
+    """A field's value as a recipe writes it: a fraction of the device as a percentage."""
+    return _percent(value) if f.metadata["kind"] == "size" and isinstance(value, float) else value
 
 
 def _dump_job(job: JobSpec) -> dict:
+    """Every recipe key of the job; paths absolute, so the dump runs from anywhere."""
+    fields = {f.name: _dump_value(f, getattr(job, f.name)) for f in options_of(JobSpec)}
+    for key in ("script", "cwd"):
+        if fields[key] is not None:
+            fields[key] = os.path.abspath(fields[key])
     if job.script is not None:
-        target = {"script": os.path.abspath(job.script)}
+        del fields["module"]
     else:
-        target = {"module": job.module}
-    return {
-        "name": job.name,
-        **target,
-        "args": list(job.args),
-        "env": dict(job.env),
-        "cwd": os.path.abspath(job.cwd) if job.cwd is not None else None,
-        "priority": job.priority,
-        "memory_limit": _dump_option(job.memory_limit),
-        **({"stdin": True} if job.stdin else {}),
-    }
+        del fields["script"]
+    fields["args"], fields["env"] = [_escape(arg) for arg in job.args], dict(job.env)
+    return fields
 
 
 def _percent(fraction: float) -> str | float:

@@ -27,8 +27,11 @@ way whenever they alone would leave every job waiting. If every job waits and no
 request is even safe (only possible when a profile or a newcomer's model reveals a
 job that does not fit beside the others), `stuck_victim` names the job to fail.
 
-Jobs are admitted (`try_start`) in queue order once the running ones are profiled
-and one more job like the smallest seen so far would fit: sum P + max A <= capacity.
+Jobs are admitted (`try_start`) in queue order once the running ones are *settled*
+(profiled, and their persistent bytes known: an optimizer's state appears at its first
+step, after the profile) and one more job like the smallest seen so far would fit:
+sum P + max A <= capacity. Admitting beside a job whose optimizer state is still to
+come would let every job's model exist at once with no room left for any pass.
 
 Waiting requests are served in queue order: requests in the middle of a pass first
 (finishing a pass frees memory sooner), then pass starts by priority and then FIFO
@@ -71,6 +74,7 @@ class JobState:
     held: int = 0
     profiling: bool = False
     pending_profile: bool = False
+    settled: bool = False  # profiled, and its persistent bytes known
     waiting: Want | None = None
     attained_s: float = 0.0
 
@@ -91,7 +95,7 @@ class Scheduler:
         self.queue = queue
         self.jobs: dict[str, JobState] = {}
         self._seq = itertools.count()
-        self.smallest: tuple[int, int] | None = None  # (persistent, claim) of the smallest job seen
+        self._sizes: dict[str, tuple[int, int]] = {}  # (persistent, claim) of each settled job seen
 
     # ---- jobs -------------------------------------------------------------------
     def enqueue(self, name: str, priority: int = 0) -> None:
@@ -119,7 +123,7 @@ class Scheduler:
         active = self.active()
         if not active or self.capacity is None:
             return True
-        if any(j.claim is None or j.profiling or j.pending_profile for j in active):
+        if any(not j.settled or j.claim is None or j.profiling or j.pending_profile for j in active):
             return False  # size the running jobs before adding one more
         guess_persistent, guess_claim = self.smallest or (0, 0)
         persistent = sum(j.persistent for j in active) + guess_persistent
@@ -148,6 +152,25 @@ class Scheduler:
     def set_persistent(self, name: str, nbytes: int) -> None:
         """Persistent bytes measured by the job itself (not asked for: already there)."""
         self.jobs[name].persistent = nbytes
+        self._note_size(self.jobs[name])
+
+    def settle(self, name: str) -> None:
+        """The job's persistent bytes are known (it took an optimizer step, or ran a
+        second pass without one): newcomers may be sized by it."""
+        job = self.jobs.get(name)
+        if job is not None and not job.settled:
+            job.settled = True
+            self._note_size(job)
+
+    @property
+    def smallest(self) -> tuple[int, int] | None:
+        """(persistent, claim) of the smallest settled job that trains: the guess for
+        newcomers (jobs of one run tend to be alike)."""
+        return min(self._sizes.values(), key=sum, default=None)
+
+    def _note_size(self, job: JobState) -> None:
+        if job.settled and job.claim:
+            self._sizes[job.name] = (job.persistent, job.claim)
 
     def abort_profile(self, name: str) -> None:
         """The profiling pass failed: the job keeps whatever claim it had."""
@@ -155,12 +178,16 @@ class Scheduler:
         if job is not None:
             job.profiling = job.pending_profile = False
 
-    def end_profile(self, name: str, claim: int) -> None:
+    def end_profile(self, name: str, claim: int, *, settled: bool = True) -> None:
+        """The job's first pass (or one of a new input shape) is measured: `claim` is
+        the most it holds at once. `settled=False` while its persistent bytes may
+        still grow (the engine settles it after its first optimizer step)."""
         job = self.jobs[name]
         job.profiling = job.pending_profile = False
         job.claim = max(job.claim or 0, claim)
-        if job.claim > 0 and (self.smallest is None or job.footprint < sum(self.smallest)):
-            self.smallest = (job.persistent, job.claim)  # a model that trains: the guess for newcomers
+        if settled:
+            job.settled = True
+        self._note_size(job)
 
     def fits_alone(self, name: str, held: int | None = None, persistent: int | None = None) -> bool:
         job = self.jobs[name]

@@ -1,0 +1,79 @@
+"""Job output and past runs: the pump's lines and tails, `show_run` and crash reports."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from wwrun.output import JobOutput, Pump, crash_summary, find_run, show_run
+
+
+def test_pump_hands_lines_to_the_display_and_keeps_a_tail(tmp_path):
+    lines = []
+    pump = Pump(lambda job, stream, line: lines.append((job, stream, line)))
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+    for i in range(15):
+        print(f"line {i}", file=output.stdout)
+    output.stderr.write("progress 1\rprogress 2\n")
+    output.close_writers()
+    pump.close()
+    assert ("j", "stdout", "line 14") in lines and ("j", "stderr", "progress 2") in lines
+    assert len(output.tail) == 10 and output.tail[-1] in ("line 14", "progress 2")
+    assert (tmp_path / "j" / "stdout.log").read_text().count("\n") == 15
+
+
+def _report(folder, state="ended", jobs=(("a", "succeeded", 0, None),), root=None, code=0):
+    folder.mkdir(parents=True)
+    data = {
+        "run": {"run_id": folder.name, "device": "cpu", "policy": "concurrent", "wall_s": 1.5,
+                "exit_code": code, "root_cause": root, "state": state},
+        "jobs": [
+            {"name": n, "state": s, "exit_code": c, "error": e, "attempts": 1, "threads": [], "last_lines": ["hi"]}
+            for n, s, c, e in jobs
+        ],
+    }
+    (folder / "report.json").write_text(json.dumps(data))
+
+
+def test_show_run_prints_the_latest_run_by_default(tmp_path):
+    _report(tmp_path / "r1", jobs=(("a", "succeeded", 0, None), ("b", "failed", 3, "exited with code 3")),
+            root="b", code=3)
+    os.symlink("r1", tmp_path / "latest")
+    out = io.StringIO()
+    assert show_run(log_root=str(tmp_path), file=out) == 0
+    text = out.getvalue()
+    assert "run r1 (ended)" in text and "exit code 3" in text
+    assert "b  failed      exit 3  exited with code 3" in text
+    assert "root cause: b (exit code 3)" in text
+    assert find_run("r1", str(tmp_path)) == (tmp_path / "r1").resolve()
+    assert find_run(str(tmp_path / "r1")) == (tmp_path / "r1").resolve()
+
+
+def test_show_run_of_a_missing_run_is_one_line_and_code_2(tmp_path, capsys):
+    assert show_run("nope", log_root=str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("wwrun: error:")
+
+
+def test_crash_summary_names_the_job_whose_thread_crashed(tmp_path):
+    folder = tmp_path / "run"
+    _report(folder, state="running", jobs=(("a", "running", None, None), ("b", "running", None, None)))
+    report = json.loads((folder / "report.json").read_text())
+    report["jobs"][1]["threads"] = ["0x00000000000000bb"]  # a thread job b started
+    (folder / "report.json").write_text(json.dumps(report))
+    (folder / "crash.log").write_text(
+        "wwrun: thread 0x00000000000000aa runs job a (attempt 0)\n"
+        "Fatal Python error: Aborted\n\nCurrent thread 0x00000000000000bb (most recent call first):\n"
+    )
+    assert crash_summary(folder).startswith("the process crashed in job b: Fatal Python error: Aborted")
+    out = io.StringIO()
+    show_run(str(folder), file=out)
+    assert "(crashed)" in out.getvalue() and "last: hi" in out.getvalue()
+
+
+def test_no_crash_summary_without_a_fatal_error(tmp_path):
+    (tmp_path / "crash.log").write_text("wwrun: thread 0x1 runs job a (attempt 0)\n")
+    assert crash_summary(tmp_path) is None
+    assert crash_summary(tmp_path / "missing") is None
