@@ -338,8 +338,8 @@ class _ThreadStream(io.TextIOBase):
     own stream (a per-thread re-entry flag), not round again.
     """
 
-    def __init__(self, which: str):
-        self._which = which
+    def __init__(self, which: str, original=None):
+        self._which = which  # (the launcher's stream lives in `_originals`)
 
     def _target(self):
         job = current_job()
