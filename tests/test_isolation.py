@@ -227,3 +227,151 @@ def test_an_interrupt_landing_in_a_finalizer_still_reaches_the_job(tmp_path):
     assert [j.state.value for j in result.jobs] == ["interrupted"] * count, result.to_dict()
     assert [j.error for j in result.jobs if "grace period" in (j.error or "")] == []
     assert all((tmp_path / f"ckpt{i}").read_text() == "saved" for i in range(count))
+
+
+def test_rebinding_process_wide_names_stays_in_the_job(tmp_path):
+    # sys.argv, os.environ, sys.path and sys.stdout rebound by two jobs at once.
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    names = ["a", "b"]
+    result = run(tmp_path, *(job(n, "rebind.py", n, rendezvous, len(names), tmp_path) for n in names))
+    assert result.exit_code == 0, [log(result, n, "stderr") for n in names]
+    for name in names:
+        out = log(result, name)
+        tee = (tmp_path / f"{name}.tee").read_text()
+        for text in (out, tee):
+            assert f"argv=['prog', '--who={name}'] json=[\"prog\", \"--who={name}\"]" in text
+            assert f"environ={name} {name} merged={name}" in text
+            assert f"path0=/nonexistent/{name} types=list,list,dict" in text
+            assert "plain=True" in text  # pickle and torch.save see plain list/dict
+        assert f"restored {name}" in out and "restored" not in tee
+    assert "--who=a" not in sys.argv and "WHO" not in os.environ
+    assert not any(p.startswith("/nonexistent") for p in sys.path)
+
+
+def test_memory_of_ended_jobs_is_returned(tmp_path):
+    # Each hog keeps a tensor in a module global; by the time the watcher runs, every
+    # earlier hog has ended and its tensor must be gone (a weak reference, not RSS).
+    sys.modules.pop("_wwrun_test_hogs", None)
+    hogs = [job(f"hog{i}", "memory/hog.py", 16) for i in range(3)]
+    result = run(tmp_path, *hogs, job("watch", "memory/watch.py"), policy="sequential")
+    assert result.exit_code == 0, log(result, "watch", "stderr")
+    assert "hogs=3 alive=0" in log(result, "watch")
+    sys.modules.pop("_wwrun_test_hogs", None)
+
+
+def test_closing_standard_fds_in_a_job_leaves_the_console_to_the_others(tmp_path):
+    # Through the CLI in a subprocess: os.close(1) there would close pytest's own fd.
+    report = tmp_path / "closed"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"),
+         str(SCRIPTS / "close_std.py"), str(report), ":",
+         str(SCRIPTS / "wait_then_print.py"), str(report), "talker still heard"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert report.read_text() == "print raised errno 9"  # EBADF, as under python
+    assert "[wait_then_print] talker still heard" in done.stdout
+    assert "closer before" in done.stdout and "closer after" not in done.stdout
+
+
+@pytest.fixture
+def fresh_circular():
+    saved = sys.getswitchinterval()
+    for name in [n for n in sys.modules if n.split(".")[0] == "circular"]:
+        del sys.modules[name]
+    yield
+    sys.setswitchinterval(saved)
+    for name in [n for n in sys.modules if n.split(".")[0] == "circular"]:
+        del sys.modules[name]
+
+
+def test_jobs_importing_a_circular_package_at_once_see_it_whole(tmp_path, fresh_circular):
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    entries = ["circular.a", "circular.b"] * 2
+    result = run(
+        tmp_path,
+        *(job(f"i{i}", "imports/import_race.py", entry, rendezvous, len(entries)) for i, entry in enumerate(entries)),
+        policy="concurrent",
+    )
+    errors = {f"i{i}": log(result, f"i{i}", "stderr") for i in range(len(entries))}
+    assert result.exit_code == 0, errors
+    for i, entry in enumerate(entries):
+        late = "A_LATE" if entry.endswith("a") else "B_LATE"
+        assert f"imported {entry} late=['{late}']" in log(result, f"i{i}")
+    # One job at a time ran the package's modules: no job's run interleaves another's.
+    order = [name for name, _, _ in sys.modules["circular"].events]
+    runs = [name for k, name in enumerate(order) if k == 0 or order[k - 1] != name]
+    assert len(runs) == len(set(runs)), order
+
+
+def test_jobs_first_using_torch_inductor_at_once_all_import_it(tmp_path):
+    # The failure seen with three jobs whose first AdamW/torch.compile imported
+    # torch._inductor together; a fresh process, as torch._inductor must not be loaded.
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    modules = ["torch._inductor.utils", "torch._inductor.codegen.common", "torch._inductor.compile_fx"]
+    command = [sys.executable, "-m", "wwrun", "--policy", "concurrent", "--log-dir", str(tmp_path / "logs")]
+    for i, module in enumerate(modules):
+        command += [*([":"] if i else []), str(SCRIPTS / "imports" / "import_race.py"), module, str(rendezvous), "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_modules_made_after_install_keep_plain_attributes():
+    # importlib makes modules with type(sys)(name): sys's per-job names must not
+    # reach them (matplotlib.path once read as the job's sys.path).
+    import importlib.util
+    import types
+
+    from wwrun import isolation
+
+    isolation.install()
+    for module in (type(sys)("made_by_type_of_sys"), importlib.util.module_from_spec(
+        importlib.util.spec_from_loader("made_by_importlib", loader=None)
+    )):
+        assert not hasattr(module, "path")
+        module.path, module.argv = "p", "a"
+        assert (module.path, module.argv) == ("p", "a")
+    assert type(importlib.util.module_from_spec(importlib.util.spec_from_loader("x", loader=None))) is types.ModuleType
+
+
+def test_a_lone_job_reads_the_launchers_stdin(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "read_stdin.py")],
+        input="hello from the pipe\n", capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "read 'hello from the pipe'" in done.stdout
+    assert "then end of file" in done.stdout
+
+
+def test_with_several_jobs_only_the_stdin_job_reads_it(tmp_path):
+    script = SCRIPTS / "read_stdin.py"
+    recipe = tmp_path / "stdin.yaml"
+    recipe.write_text(
+        f"jobs:\n  - {{name: reader, script: {script}, stdin: true}}\n  - {{name: other, script: {script}}}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--tee", "--log-dir", str(tmp_path / "logs"), str(recipe)],
+        input="only for the reader\n", capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[reader] read 'only for the reader'" in done.stdout
+    assert "[other] read ''" in done.stdout
+
+
+def test_conflicting_process_wide_settings_are_named_once(tmp_path):
+    script = str(SCRIPTS / "settings.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"),
+         script, "high", "on", "INFO", ":", script, "highest", "on", "INFO", ":", script, "medium", "on", "INFO"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "is process-wide" in line]
+    assert len(warnings) == 1, done.stderr  # the same benchmark and level everywhere: no warning
+    assert "torch.set_float32_matmul_precision" in warnings[0]
+    for name, value in (("settings", "high"), ("settings-2", "highest")):
+        assert f"{name}='{value}'" in warnings[0]

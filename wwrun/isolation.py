@@ -11,21 +11,31 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     -----------------  ---------------------------------  ------------------------------------
     __main__           the job's own module object        `_MainModule` proxy in sys.modules
     sibling modules    private copies (`from model ...`)  `_JobLocalFinder` + `_SharedName` proxies
-    sys.argv           the job's argv                     `_ThreadArgv` (a sequence, not a list*)
-    os.environ         launcher env + job env + WWRUN_*   `_ThreadEnviron`
-    stdin/out/err      the job's pipes (logs, display)    `_ThreadStream`
+    sys.argv, sys.path the job's own plain lists          `_PerJobName` on sys's class
+    os.environ         launcher env + job env + WWRUN_*   `_PerJobName` on os's class (a plain
+                       (a plain dict)                     dict), `_ThreadEnviron` for os.getenv
+    stdin/out/err      the job's pipes (logs, display),   `_PerJobName` + `_ThreadStream`
+                       or what the job assigned (a Tee);
+                       stdin: the launcher's for a lone   `job_stdin`
+                       job or the `stdin: true` one
     working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
     atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
+    os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`
+    first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
+                       initialized module across jobs)
 
-*A list subclass would be read directly by C code (`" ".join(sys.argv)`, `json`),
-bypassing the dispatch: a plain sequence fails loudly where a list would be silently
-wrong.
+Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
+`sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
+are real `list`/`dict` objects, so `json.dumps(sys.argv)`, `os.environ | {}` and
+`torch.save({'argv': sys.argv})` behave as under `python`.
 
-What stays shared (documented for users): C-level `getenv`, the global RNG, torch's
-global flags, `logging`'s root configuration, warning filters.
+What stays shared (documented for users): C-level `getenv`, torch's global flags
+(cuDNN, TF32, matmul precision, default dtype, intra-op threads, deterministic
+algorithms), `logging`'s root configuration, warning filters: `settings_watch` warns
+once when jobs set one of them to different values.
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from __future__ import annotations
 import atexit
 import collections.abc
 import ctypes
+import errno
+import gc
+import importlib._bootstrap
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -42,6 +55,7 @@ import signal
 import sys
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 
 _local = threading.local()
@@ -80,6 +94,12 @@ class JobContext:
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
     """Private copies of modules found in `local_roots`, by name."""
     stdin: io.TextIOBase = field(default_factory=lambda: open(os.devnull))  # noqa: SIM115
+    path: list[str] | None = None
+    """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
+    rebound: dict = field(default_factory=dict)
+    load_lock: threading.RLock = field(default_factory=threading.RLock)
+    """Guards `modules` while the job's threads load its private modules."""
+    """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     atexit_handlers: list = field(default_factory=list)
     signal_handlers: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
@@ -92,18 +112,74 @@ class JobContext:
 def enter(job: JobContext) -> None:
     """Make the calling thread `job`'s main thread: its state and working directory."""
     job.thread_id = threading.get_ident()
+    if job.path is None:
+        launcher_path = sys.__dict__["path"]
+        job.path = [*job.local_roots, *(p for p in launcher_path if p not in job.local_roots)]
     _local.job = job
+    with _install_lock:  # torch is imported by now (the launcher chose the device)
+        _watch_settings()
     own_working_directory(job.cwd)
 
 
 def leave() -> None:
+    """The calling job thread is done with its job: hand back the job's memory."""
+    job = current_job()
     _local.job = None
+    if job is not None:
+        release(job)
+
+
+def release(job: JobContext) -> None:
+    """Drop what the ended job's code left alive: its `__main__` namespace, its private
+    modules, its handlers and rebound streams, so that its tensors are freed as they
+    would be when `python script.py` exits. A long sequential sweep then runs in the
+    memory of one job, not of all of them.
+
+    Namespaces are emptied (as Python empties modules at exit) unless a thread the job
+    started still runs and may need them; then only the references are dropped.
+    """
+    namespaces = [job.main.__dict__, *(m.__dict__ for m in job.modules.values())]
+    job.main = types.ModuleType("__main__")
+    job.modules = {}
+    job.atexit_handlers.clear()
+    job.signal_handlers.clear()
+    job.rebound.clear()
+    job.threads[:] = [t for t in job.threads if t.is_alive()]
+    if not job.threads:
+        for namespace in namespaces:
+            namespace.clear()
+    del namespaces
+    # Script namespaces are reference cycles (a function's __globals__): collect them
+    # now, since a few large tensors allocate too few objects to trigger the collector.
+    gc.collect()
 
 
 def find_spec(job: JobContext, name: str):
     """`importlib.util.find_spec` as seen from the job: its own folders first."""
     spec = _find_private_spec(job, name)
     return spec if spec is not None else importlib.util.find_spec(name)
+
+
+def job_stdin(reads_launcher_stdin: bool) -> io.TextIOBase:
+    """A job's standard input: the launcher's own (a lone job, or the one job of a
+    recipe with `stdin: true`), else end of file as from /dev/null.
+
+    A new reader over fd 0 that never closes it: the job may close its sys.stdin, and
+    the launcher closes the job's copy when it ends.
+    """
+    if reads_launcher_stdin:
+        original = _originals.get("stdin", sys.__stdin__)
+        try:
+            raw = io.FileIO(0, "r", closefd=False)
+        except OSError:  # no fd 0 (started with stdin closed)
+            pass
+        else:
+            return io.TextIOWrapper(
+                io.BufferedReader(raw),
+                encoding=getattr(original, "encoding", None) or "utf-8",
+                errors=getattr(original, "errors", None) or "strict",
+            )
+    return open(os.devnull)  # noqa: SIM115 - the launcher closes it when the job ends
 
 
 def process_environ():
@@ -254,55 +330,6 @@ class _MainModule(types.ModuleType):
         return repr(self._wwrun_target())
 
 
-class _ThreadArgv(collections.abc.MutableSequence):
-    """`sys.argv`: the current job's argv, else the launcher's."""
-
-    def __init__(self, original: list):
-        self._original = original
-
-    def _target(self) -> list:
-        job = current_job()
-        return job.argv if job else self._original
-
-    def __getitem__(self, i):
-        return self._target()[i]
-
-    def __setitem__(self, i, value):
-        self._target()[i] = value
-
-    def __delitem__(self, i):
-        del self._target()[i]
-
-    def __len__(self):
-        return len(self._target())
-
-    def insert(self, i, value):
-        self._target().insert(i, value)
-
-    def __iter__(self):
-        return iter(self._target())
-
-    def __eq__(self, other):
-        return self._target() == (list(other) if isinstance(other, _ThreadArgv) else other)
-
-    def __add__(self, other):
-        return self._target() + list(other)
-
-    def __radd__(self, other):
-        return list(other) + self._target()
-
-    def copy(self):
-        return list(self._target())
-
-    def __repr__(self):
-        return repr(self._target())
-
-    def __reduce__(self):  # pickles (multiprocessing spawn) as the plain list it shows
-        return (list, (list(self._target()),))
-
-    __hash__ = None
-
-
 class _ThreadEnviron(collections.abc.MutableMapping):
     """`os.environ`: the current job's environment, else the process's real one.
 
@@ -310,12 +337,9 @@ class _ThreadEnviron(collections.abc.MutableMapping):
     `_fork_exec`), not C-level `getenv` or other jobs.
     """
 
-    def __init__(self, original):
-        self._original = original
-
     def _target(self):
         job = current_job()
-        return job.environ if job else self._original
+        return job.environ if job else _originals["os.environ"]
 
     def __getitem__(self, key):
         return self._target()[key]
@@ -342,47 +366,77 @@ class _ThreadEnviron(collections.abc.MutableMapping):
 
 
 class _ThreadStream(io.TextIOBase):
-    """`sys.stdin/stdout/stderr`: the current job's stream, else the original."""
+    """`sys.stdin/stdout/stderr` as C code sees them (`print`, `input`, tracebacks) and
+    as objects that kept a reference see them: the current job's stream, else the
+    original.
 
-    def __init__(self, which: str, original):
-        self._which = which
-        self._original = original
+    A job that rebound the name (`sys.stdout = Tee(sys.stdout)`) gets its object here;
+    when that object writes into the view it wrapped, the write goes on to the job's
+    own stream (a per-thread re-entry flag), not round again.
+    """
+
+    def __init__(self, which: str, original=None):
+        self._which = which  # (the launcher's stream lives in `_originals`)
 
     def _target(self):
         job = current_job()
-        return getattr(job, self._which) if job else self._original
+        if job is None:
+            return _originals[self._which]
+        rebound = job.rebound.get(self._which)
+        if rebound is None or self._which in _inside_rebound():
+            return getattr(job, self._which)
+        return rebound
+
+    def _call(self, method: str, *args):
+        job = current_job()
+        if job is None:
+            return getattr(_originals[self._which], method)(*args)
+        rebound, inside = job.rebound.get(self._which), _inside_rebound()
+        if rebound is None or self._which in inside:
+            return getattr(getattr(job, self._which), method)(*args)
+        inside.add(self._which)
+        try:
+            return getattr(rebound, method)(*args)
+        finally:
+            inside.discard(self._which)
 
     def write(self, text):
-        return self._target().write(text)
+        return self._call("write", text)
 
     def writelines(self, lines):
-        self._target().writelines(lines)
+        return self._call("writelines", lines)
 
     def flush(self):
-        self._target().flush()
+        return self._call("flush")
 
     def read(self, *args):
-        return self._target().read(*args)
+        return self._call("read", *args)
 
     def readline(self, *args):
-        return self._target().readline(*args)
+        return self._call("readline", *args)
+
+    def readlines(self, *args):
+        return self._call("readlines", *args)
+
+    def __iter__(self):
+        return iter(self._target())
 
     def fileno(self):
-        return self._target().fileno()
+        return self._call("fileno")
 
     def isatty(self):
-        return self._target().isatty()
+        return self._call("isatty")
 
     def readable(self):
-        return self._target().readable()
+        return self._call("readable")
 
     def writable(self):
-        return self._target().writable()
+        return self._call("writable")
 
     def close(self):  # `exit()` closes sys.stdin: only the job's copy
         job = current_job()
         if job:
-            getattr(job, self._which).close()
+            self._call("close")
 
     def __del__(self):
         # IOBase's finalizer calls close(): a view replaced by a newer one (install()
@@ -407,6 +461,97 @@ class _ThreadStream(io.TextIOBase):
 
     def __getattr__(self, name):
         return getattr(self._target(), name)
+
+
+def _inside_rebound() -> set:
+    inside = getattr(_local, "inside_rebound", None)
+    if inside is None:
+        inside = _local.inside_rebound = set()
+    return inside
+
+
+# ---------------------------------------------------------------------------------
+# Per-job names of the `sys` and `os` modules
+
+
+class _PerJobName:
+    """A name of `sys` or `os` that each job reads and rebinds on its own.
+
+    A data descriptor on the module's class: Python code's `sys.argv`, `sys.argv =
+    [...]`, `from os import environ` reach it; the module's dict keeps what C code and
+    the module's own functions read (`print` finds the `_ThreadStream`, `os.getenv` the
+    `_ThreadEnviron`). In a job the value is the job's own plain object (a real list or
+    dict: `json.dumps`, pickle and `torch.save` see nothing of wwrun); elsewhere it is
+    the launcher's, unchanged.
+    """
+
+    def __init__(self, module: types.ModuleType, field: str, launcher_key: str | None = None):
+        self.module = module
+        self.field = field
+        self.launcher_key = launcher_key
+        """Key in `_originals` of the launcher's value, when the module's dict holds a view."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        if module is not self.module:  # another module made by `type(sys)(name)`
+            try:
+                return module.__dict__[self.name]
+            except KeyError:
+                raise AttributeError(self.name) from None
+        job = current_job()
+        if job is None:
+            if self.launcher_key is not None:
+                return _originals[self.launcher_key]
+            return module.__dict__[self.name]
+        if self.field in _STREAMS:
+            rebound = job.rebound.get(self.field)
+            return module.__dict__[self.name] if rebound is None else rebound
+        return getattr(job, self.field)
+
+    def __set__(self, module, value):
+        job = current_job()
+        if module is not self.module:
+            module.__dict__[self.name] = value
+        elif job is None:
+            if self.launcher_key is None:
+                module.__dict__[self.name] = value
+            elif value is not module.__dict__[self.name]:  # (restoring the view itself)
+                _originals[self.launcher_key] = value
+        elif self.field in _STREAMS:
+            if value is module.__dict__[self.name]:
+                job.rebound.pop(self.field, None)
+            else:
+                job.rebound[self.field] = value
+        else:
+            setattr(job, self.field, value)
+
+    def __delete__(self, module):
+        if module is not self.module:
+            try:
+                del module.__dict__[self.name]
+                return
+            except KeyError:
+                raise AttributeError(self.name) from None
+        raise AttributeError(f"wwrun keeps {self.name!r} per job: it cannot be deleted")
+
+
+_STREAMS = ("stdin", "stdout", "stderr")
+
+
+class _SysModule(types.ModuleType):
+    argv = _PerJobName(sys, "argv")
+    path = _PerJobName(sys, "path")
+    stdin = _PerJobName(sys, "stdin", "stdin")
+    stdout = _PerJobName(sys, "stdout", "stdout")
+    stderr = _PerJobName(sys, "stderr", "stderr")
+
+
+class _OsModule(types.ModuleType):
+    environ = _PerJobName(os, "environ", "os.environ")
 
 
 # ---------------------------------------------------------------------------------
@@ -464,7 +609,6 @@ class _SharedName(types.ModuleType):
 _IMPORT_ATTRS = frozenset(
     {"__name__", "__spec__", "__loader__", "__package__", "__path__", "__file__", "__cached__"}
 )
-_load_lock = threading.RLock()
 
 
 def _find_private_spec(job: JobContext, name: str):
@@ -480,7 +624,7 @@ def _find_private_spec(job: JobContext, name: str):
 
 def _load_private(job: JobContext, name: str):
     """Load the job's own copy of `name`, or None if its folders hold no such module."""
-    with _load_lock:
+    with job.load_lock:
         if name in job.modules:
             return job.modules[name]
         spec = _find_private_spec(job, name)
@@ -584,6 +728,40 @@ def _os_exit(code):
     _originals["os._exit"](code)
 
 
+def _os_close(fd):
+    """`os.close(1)` in a job closes that job's stdout, not the process's: the fd is the
+    launcher's console (and the job's own pipe is the launcher's to close)."""
+    job = current_job()
+    name = _standard_stream(job, fd) if job is not None else None
+    if name is None:
+        return _originals["os.close"](fd)
+    if isinstance(job.rebound.get(name), _ClosedStream):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    job.rebound[name] = _ClosedStream()
+    return None
+
+
+def _standard_stream(job: JobContext, fd: int) -> str | None:
+    """'stdin', 'stdout' or 'stderr' if `fd` is one of the job's standard streams."""
+    if 0 <= fd <= 2:
+        return _STREAMS[fd]
+    if fd == job.stdout_fd:
+        return "stdout"
+    if fd == job.stderr_fd:
+        return "stderr"
+    return None
+
+
+class _ClosedStream(io.TextIOBase):
+    """What a job's sys.stdout/stderr/stdin become once it closed the fd: every use
+    fails as on a closed descriptor under `python`."""
+
+    def _fail(self, *args):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    write = writelines = flush = read = readline = fileno = isatty = _fail
+
+
 def _thread_start(self):
     self._wwrun_job = job = current_job()
     if job is not None:
@@ -594,6 +772,60 @@ def _thread_start(self):
 def _thread_bootstrap_inner(self):
     _local.job = getattr(self, "_wwrun_job", None)
     return _originals["Thread._bootstrap_inner"](self)
+
+
+class _FirstImportLock:
+    """One job at a time runs first imports (module code not yet in sys.modules).
+
+    Python's per-module import locks let two threads that import a package with
+    circular imports from different ends deadlock; Python then hands one of them a
+    partially initialized module or raises `_DeadlockError` ("cannot import name
+    'IndentedBuffer' from partially initialized module 'torch._inductor.utils'").
+    Alone, a script never meets this. Held per job, not per thread: a job whose import
+    starts a thread that imports goes on as under `python`. After `_IMPORT_WAIT_S`
+    a waiter gives up and imports under Python's own locks, so a module that blocks
+    at import on another job (or forever) cannot stall every job's imports.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner = None
+        self._depth = 0
+
+    def acquire(self, owner, timeout: float) -> bool:
+        with self._cond:
+            if self._owner is not None and self._owner is not owner:
+                if not self._cond.wait_for(lambda: self._owner is None, timeout):
+                    return False
+            self._owner = owner
+            self._depth += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+
+_IMPORT_WAIT_S = 60.0
+_first_import_lock = _FirstImportLock()
+
+
+def _find_and_load(name, import_):
+    """importlib's `_find_and_load` (what every import not found in sys.modules runs),
+    one job at a time."""
+    find_and_load = _originals["_find_and_load"]
+    job = current_job()
+    if job is None or name in sys.modules:
+        return find_and_load(name, import_)
+    if not _first_import_lock.acquire(job, _IMPORT_WAIT_S):
+        return find_and_load(name, import_)
+    try:
+        return find_and_load(name, import_)
+    finally:
+        _first_import_lock.release()
 
 
 # _posixsubprocess.fork_exec's leading positional parameters (stable since 3.2).
@@ -624,6 +856,100 @@ def _get_preparation_data(name):
     return data
 
 
+# ---------------------------------------------------------------------------------
+# Process-wide settings no per-job view can hold
+
+
+class _SettingsWatch:
+    """Says once, per setting, which jobs' own code set different values of a
+    process-wide setting (a torch flag, the default dtype, logging's level, warning
+    filters): they then all run with one of them (the last set; for
+    `logging.basicConfig`, the first), not each with its own.
+
+    Per job already: `torch.set_default_device` (thread-local in torch), grad mode,
+    autocast. The rest is read by C++ kernels from one global and cannot be per job.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict[str, weakref.WeakKeyDictionary] = {}
+        self._warned: set[str] = set()
+
+    def note(self, setting: str, value) -> None:
+        job = current_job()
+        if job is None:
+            return
+        with self._lock:
+            by_job = self._values.setdefault(setting, weakref.WeakKeyDictionary())
+            by_job[job] = repr(value)
+            if setting in self._warned or len(set(by_job.values())) < 2:
+                return
+            self._warned.add(setting)
+            jobs = ", ".join(f"{j.name}={v}" for j, v in by_job.items())
+        print(
+            f"wwrun: warning: {setting} is process-wide and jobs set it differently ({jobs}): "
+            "they share one value, not each its own",
+            file=original_stderr(),
+            flush=True,
+        )
+
+
+settings_watch = _SettingsWatch()
+
+
+def _watch_call(owner, name: str, setting: str, value_of=lambda args, kwargs: args[0] if args else kwargs):
+    original = getattr(owner, name)
+    if getattr(original, "_wwrun_watched", False):
+        return
+
+    def watched(*args, **kwargs):
+        job = current_job()
+        if job is not None and _called_from_job_code(job):  # not a library's own filters
+            settings_watch.note(setting, value_of(args, kwargs))
+        return original(*args, **kwargs)
+
+    watched._wwrun_watched = True
+    watched.__wrapped__ = original
+    setattr(owner, name, watched)
+
+
+def _watch_flags(module, prefix: str, names: tuple[str, ...]) -> None:
+    """Watch `module.<name> = value` for flag modules of torch.backends."""
+    cls = type(module)
+    original = cls.__setattr__
+    if getattr(original, "_wwrun_watched", False):
+        return
+
+    def watched_setattr(self, name, value):
+        job = current_job()
+        if name in names and job is not None and _called_from_job_code(job):
+            settings_watch.note(f"{prefix}.{name}", value)
+        return original(self, name, value)
+
+    watched_setattr._wwrun_watched = True
+    cls.__setattr__ = watched_setattr
+
+
+def _watch_settings() -> None:
+    import logging
+    import warnings
+
+    _watch_call(logging, "basicConfig", "logging.basicConfig(level=...)", lambda a, k: k.get("level"))
+    _watch_call(warnings, "simplefilter", "warnings filters", lambda a, k: (a, k))
+    _watch_call(warnings, "filterwarnings", "warnings filters", lambda a, k: (a, k))
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in ("set_default_dtype", "set_float32_matmul_precision", "set_num_threads",
+                 "use_deterministic_algorithms"):
+        _watch_call(torch, name, f"torch.{name}")
+    import torch.backends.cuda
+    import torch.backends.cudnn
+
+    _watch_flags(torch.backends.cudnn, "torch.backends.cudnn", ("benchmark", "deterministic", "allow_tf32"))
+    _watch_flags(torch.backends.cuda.matmul, "torch.backends.cuda.matmul", ("allow_tf32",))
+
+
 _originals: dict = {}
 _install_lock = threading.Lock()
 
@@ -641,16 +967,19 @@ def install() -> None:
         main = sys.modules["__main__"]
         if not isinstance(main, _MainModule):
             sys.modules["__main__"] = _MainModule(main)
-        if not isinstance(sys.argv, _ThreadArgv):
-            sys.argv = _ThreadArgv(sys.argv)
-        if not isinstance(os.environ, _ThreadEnviron):
-            _originals["os.environ"] = os.environ
-            os.environ = _ThreadEnviron(os.environ)
-        for name in ("stdin", "stdout", "stderr"):
-            stream = getattr(sys, name)
+        if not isinstance(os.__dict__["environ"], _ThreadEnviron):
+            _originals["os.environ"] = os.__dict__["environ"]
+            os.__dict__["environ"] = _ThreadEnviron()
+        for name in _STREAMS:
+            stream = sys.__dict__[name]
             if not isinstance(stream, _ThreadStream):
                 _originals[name] = stream
-                setattr(sys, name, _ThreadStream(name, stream))
+                sys.__dict__[name] = _ThreadStream(name)
+        # Last: from here on `sys.stdout` etc. in Python code go through _PerJobName.
+        # importlib makes new modules with `type(sys)(name)`: keep those plain.
+        importlib._bootstrap._new_module = types.ModuleType
+        sys.__class__ = _SysModule
+        os.__class__ = _OsModule
         if not any(isinstance(f, _JobLocalFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _JobLocalFinder())
 
@@ -664,13 +993,17 @@ def _patch_functions() -> None:
     import multiprocessing.util  # noqa: F401
     import subprocess
 
+    import importlib._bootstrap
+
     _originals.update({
         "unraisablehook": sys.unraisablehook,
+        "_find_and_load": importlib._bootstrap._find_and_load,
         "atexit.register": atexit.register,
         "atexit.unregister": atexit.unregister,
         "signal.signal": signal.signal,
         "signal.getsignal": signal.getsignal,
         "os._exit": os._exit,
+        "os.close": os.close,
         "Thread.start": threading.Thread.start,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
         "fork_exec": _posixsubprocess.fork_exec,
@@ -682,6 +1015,8 @@ def _patch_functions() -> None:
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
     os._exit = _os_exit
+    os.close = _os_close
+    importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     _posixsubprocess.fork_exec = _fork_exec

@@ -414,6 +414,7 @@ class _Runner:
             stderr=job.output.stderr,
             stdout_fd=job.output.fds["stdout"],
             stderr_fd=job.output.fds["stderr"],
+            stdin=isolation.job_stdin(spec.stdin or len(self.jobs) == 1),
         )
         job.result.started = time.time()
         job.result.ended = job.result.exit_code = job.result.error = None
