@@ -228,3 +228,54 @@ def test_a_job_over_its_limit_alone_gets_out_of_memory():
         print(json.dumps({"message": message, "other_ok": ok}))
     """)
     assert "job 'A'" in out["message"] and "limit" in out["message"] and out["other_ok"]
+
+
+@pytest.mark.gpu
+def test_rule_f_a_job_waits_for_another_s_frees_instead_of_running_out_of_memory():
+    """B asks for more than the device has left while A, about to free, holds most of
+    it: B waits (rule f) and gets A's memory, instead of torch.OutOfMemoryError."""
+    out = run_fresh("""
+        import time
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        free, _ = torch.cuda.mem_get_info()
+        size = int(free * 0.7)
+        with torch.cuda.stream(s1):
+            held = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        wa.set_expected_releases(["A"], timeout_s=60.0)
+
+        def release():
+            global held
+            time.sleep(0.5)
+            with torch.cuda.stream(s1):
+                del held
+
+        threading.Thread(target=release).start()
+        start = time.monotonic()
+        with torch.cuda.stream(s2):
+            got = torch.empty(size, dtype=torch.uint8, device="cuda")
+        waited = time.monotonic() - start
+        print(json.dumps({"waited": waited, "rules": wa.stats()["rules"]}))
+    """)
+    assert out["rules"]["f"] >= 1 and out["waited"] >= 0.3
+
+
+@pytest.mark.gpu
+def test_cudnn_benchmark_beside_a_job_holding_half_the_device():
+    out = run_fresh("""
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        free, _ = torch.cuda.mem_get_info()
+        with torch.cuda.stream(s1):
+            half = torch.full((int(free * 0.5) // 4,), 7, dtype=torch.int32, device="cuda")
+        torch.backends.cudnn.benchmark = True
+        with torch.cuda.stream(s2):
+            conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
+            x = torch.randn(32, 64, 64, 64, device="cuda", requires_grad=True)
+            for _ in range(3):
+                conv(x).square().mean().backward()
+        torch.cuda.synchronize()
+        print(json.dumps({"intact": bool((half == 7).all()), "grad": x.grad is not None}))
+    """)
+    assert out == {"intact": True, "grad": True}
