@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wwrun.allocator import HostAllocator
+from wwrun.allocator import HostAllocator, is_job_thread, mark_job_thread, unmark_job_thread
 
 MiB = 1 << 20
 ALIGN = 512
@@ -26,6 +26,14 @@ def two_jobs(capacity=256 * MiB, **kwargs):
     alloc.register_stream(A, "A")
     alloc.register_stream(B, "B")
     return alloc
+
+
+@pytest.fixture
+def job_thread():
+    """Marks the test's thread as a job's thread (rule f may wait) for the test."""
+    mark_job_thread("B")
+    yield
+    unmark_job_thread()
 
 
 def fill(alloc, ptr, size, byte):
@@ -112,7 +120,7 @@ def test_rule_e_releases_a_wholly_free_segment_waiting_on_its_own_event():
     assert alloc.waits() == []  # nothing was handed across streams
 
 
-def test_rule_f_waits_for_an_expected_release_then_succeeds():
+def test_rule_f_waits_for_an_expected_release_then_succeeds(job_thread):
     alloc = two_jobs(capacity=12 * MiB)
     held = alloc.alloc(11 * MiB, A)
     alloc.set_expected_releases(["A"], timeout_s=10.0)
@@ -121,7 +129,54 @@ def test_rule_f_waits_for_an_expected_release_then_succeeds():
     assert got.rule == "f" and got.ptr == held and got.zeroed
 
 
-def test_rule_f_is_bounded_and_skipped_without_expected_releases():
+def test_rule_f_waits_in_a_job_thread_that_does_not_hold_the_gil(job_thread):
+    """torch's ops allocate with the GIL released: a job thread still waits, and
+    the job whose free it waits for runs meanwhile."""
+    alloc = two_jobs(capacity=12 * MiB)
+    held = alloc.alloc(11 * MiB, A)
+    alloc.set_expected_releases(["A"], timeout_s=60.0)
+    threading.Timer(0.1, alloc.free, args=(held,)).start()
+    got = alloc.alloc_traced(11 * MiB, B, hold_gil=False)
+    assert got.rule == "f" and got.ptr == held and got.zeroed
+
+
+@pytest.mark.parametrize("hold_gil", [True, False])
+def test_rule_f_never_waits_in_an_unmarked_thread(hold_gil):
+    """The shared autograd thread (any unmarked thread) fails at once instead of
+    waiting: its stall would stop every job's backward."""
+    alloc = two_jobs(capacity=12 * MiB)
+    alloc.alloc(11 * MiB, A)
+    alloc.set_expected_releases(["A"], timeout_s=600.0)
+    errors = []
+
+    def unmarked():
+        assert not is_job_thread()
+        try:
+            alloc.alloc_traced(11 * MiB, B, hold_gil=hold_gil)
+        except torch.OutOfMemoryError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=unmarked)
+    thread.start()
+    thread.join()  # a wait would last 600 s: the test would time out
+    assert len(errors) == 1
+    assert alloc.stats()["device"]["num_release_waits"] == 0
+
+
+def test_marks_are_per_thread():
+    mark_job_thread("A")
+    try:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(is_job_thread()))
+        thread.start()
+        thread.join()
+        assert is_job_thread() and seen == [False]
+    finally:
+        unmark_job_thread()
+    assert not is_job_thread()
+
+
+def test_rule_f_is_bounded_and_skipped_without_expected_releases(job_thread):
     alloc = two_jobs(capacity=12 * MiB)
     alloc.alloc(11 * MiB, A)
     start = time.monotonic()
@@ -336,6 +391,18 @@ def test_unregistered_streams_belong_to_the_default_job():
     alloc.alloc(4096, A)
     assert alloc.job_stats("default")["allocated_bytes"]["current"] == 8192
     assert alloc.job_stats("A")["active"] is False
+
+
+def test_a_stream_a_live_job_holds_is_not_rebound_to_another_job():
+    """torch's pool hands a sweep's 33rd job the 1st job's stream: binding it
+    again must fail, or the two jobs would share memory unzeroed."""
+    alloc = two_jobs()
+    with pytest.raises(ValueError, match="held by live job 'A'"):
+        alloc.register_stream(A, "C")
+    alloc.register_stream(A, "A")  # the same job again is fine
+    alloc.unregister_job("A")
+    alloc.register_stream(A, "C")  # an ended job's stream may be reused
+    assert "C" in alloc.stats()["jobs"]
 
 
 def test_bad_input_gives_clear_errors():

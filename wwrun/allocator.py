@@ -36,11 +36,14 @@ __all__ = [
     "HostAllocator",
     "install",
     "is_installed",
+    "is_job_thread",
     "job_stats",
+    "mark_job_thread",
     "register_stream",
     "set_expected_releases",
     "source_dir",
     "stats",
+    "unmark_job_thread",
     "unregister_job",
 ]
 
@@ -208,10 +211,12 @@ class HostAllocator:
         Raises torch.OutOfMemoryError (rule g)."""
         return self.alloc_traced(nbytes, stream).ptr
 
-    def alloc_traced(self, nbytes: int, stream: int = 0) -> AllocationTrace:
+    def alloc_traced(self, nbytes: int, stream: int = 0, *, hold_gil: bool = True) -> AllocationTrace:
+        """As alloc, with the rule reached. `hold_gil=False` allocates with the GIL
+        released, as torch's ops call their allocator."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return AllocationTrace(*self._impl.allocate(nbytes, stream))
+        return AllocationTrace(*self._impl.allocate(nbytes, stream, hold_gil))
 
     def free(self, ptr: int) -> None:
         """Frees a block; raises ValueError for an address this allocator did not give."""
@@ -326,6 +331,37 @@ class HostAllocator:
         if window < 1 or repeats < 1:
             raise ValueError("window and repeats must be >= 1")
         return self._impl.benchmark_trace(sizes, window, repeats, stream)
+
+
+# --------------------------------------------------------------------------
+# Job threads: the only threads rule f lets wait
+# --------------------------------------------------------------------------
+
+
+def _loaded_modules(load_host: bool) -> list:
+    modules = [_modules[kind] for kind in ("host", "cuda") if _modules.get(kind) is not None]
+    if load_host and _modules.get("host") is None:
+        modules.append(_extension("host"))
+    return modules
+
+
+def mark_job_thread(job: str) -> None:
+    """Marks the calling thread as `job`'s thread (thread-local), from the moment
+    its job starts: only marked threads wait for other jobs' frees (rule f),
+    with or without the GIL. The shared autograd thread is never marked."""
+    _check_job(job)
+    for module in _loaded_modules(load_host=True):
+        module.mark_job_thread(job)
+
+
+def unmark_job_thread() -> None:
+    """The calling thread's job ended: it no longer waits (rule f)."""
+    for module in _loaded_modules(load_host=False):
+        module.unmark_job_thread()
+
+
+def is_job_thread() -> bool:
+    return any(module.is_job_thread() for module in _loaded_modules(load_host=False))
 
 
 # --------------------------------------------------------------------------

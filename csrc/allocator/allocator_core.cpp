@@ -1,6 +1,7 @@
 // The backend-agnostic core of the memory-flow allocator: the policy a-g, split
 // and coalesce, events, accounting. See waterwave_allocator.h for the policy and
 // the invariants; this file follows it rule by rule.
+#include <stdexcept>
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
@@ -301,6 +302,7 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
   if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
   const std::uint64_t seen = free_count_;
   ++release_waiters_;
+  ++stats_.num_release_waits;
   void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =
@@ -743,6 +745,16 @@ std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
 JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& name,
                                            std::size_t limit) {
   Lock lock(mutex_);
+  // A stream a live job holds is that job's owner: rebinding it would let the
+  // two jobs pass memory between them unzeroed (torch's stream pool recycles
+  // streams after 32, so a sweep's 33rd job can be handed the 1st job's).
+  auto bound = stream_jobs_.find(stream);
+  if (bound != stream_jobs_.end() && jobs_[bound->second].active &&
+      jobs_[bound->second].name != name) {
+    throw std::invalid_argument("wwrun allocator: stream is held by live job '" +
+                                jobs_[bound->second].name + "'; cannot bind it to '" + name +
+                                "'");
+  }
   JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
   if (job == static_cast<JobId>(jobs_.size())) {
     JobStats stats;
@@ -874,6 +886,7 @@ void MemoryFlowAllocator::reset_accumulated(std::optional<JobId> job) {
   }
   stats_.num_ooms = 0;
   stats_.num_alloc_retries = 0;
+  stats_.num_release_waits = 0;
   for (JobStats& stats : jobs_) reset_job(stats);
 }
 
