@@ -1,6 +1,7 @@
 // The backend-agnostic core of the memory-flow allocator: the policy a-g, split
 // and coalesce, events, accounting. See waterwave_allocator.h for the policy and
 // the invariants; this file follows it rule by rule.
+#include <new>
 #include <stdexcept>
 #include <algorithm>
 #include <cstdio>
@@ -765,6 +766,13 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
   jobs_[job].limit = limit;
   stream_jobs_[stream] = job;
   return job;
+}
+
+void MemoryFlowAllocator::reset_after_fork() {
+  new (&mutex_) std::mutex();
+  new (&freed_cv_) std::condition_variable();
+  release_waiters_ = 0;
+  expected_releases_.clear();
 }
 
 bool MemoryFlowAllocator::unregister_job(const std::string& name) {

@@ -342,6 +342,11 @@ class MemoryFlowAllocator {
   void* segment_base(void* ptr, std::size_t* size) const;
   std::size_t largest_free_block() const;
 
+  // In a forked child (pthread_atfork): the parent's other threads do not exist
+  // here, so a lock one of them held is remade, and no waiter or expected
+  // release survives. Only the forking thread runs, with no lock held by it.
+  void reset_after_fork();
+
  private:
   using Lock = std::unique_lock<std::mutex>;
 
