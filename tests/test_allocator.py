@@ -393,6 +393,18 @@ def test_unregistered_streams_belong_to_the_default_job():
     assert alloc.job_stats("A")["active"] is False
 
 
+def test_a_block_freed_on_one_unregistered_stream_comes_back_zeroed_on_another():
+    """Unregistered streams (a script's own streams) all count as the default
+    job, but may belong to different jobs: a handover between them is zeroed."""
+    alloc = two_jobs()
+    ptr = alloc.alloc(4096, 42)
+    fill(alloc, ptr, 4096, 0xAB)
+    alloc.free(ptr)
+    again = alloc.alloc_traced(4096, 43)
+    assert again.ptr == ptr and again.zeroed
+    assert alloc.read(ptr, 4096) == bytes(4096)
+
+
 def test_a_stream_a_live_job_holds_is_not_rebound_to_another_job():
     """torch's pool hands a sweep's 33rd job the 1st job's stream: binding it
     again must fail, or the two jobs would share memory unzeroed."""

@@ -268,7 +268,10 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
     block->event = nullptr;
   }
 
-  out.zeroed = block->owner != job && block->owner != kClean;
+  // Zeroed unless provably the same job's: a default-job block (unregistered
+  // streams) moving to another stream may cross jobs.
+  out.zeroed = block->owner != kClean &&
+               (block->owner != job || (job == kDefaultJob && block->stream != stream));
   if (out.zeroed) {
     stats_.scrubbed_bytes += static_cast<std::int64_t>(block->size);
     jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(block->size);
@@ -451,7 +454,14 @@ void MemoryFlowAllocator::merge_into(Block* survivor, Block* absorbed) {
     if (absorbed->next != nullptr) absorbed->next->prev = survivor;
   }
   survivor->size += absorbed->size;
-  survivor->owner = combine_owners(survivor->owner, absorbed->owner);
+  // The default job gathers every unregistered stream, which may belong to
+  // different jobs (a script's own torch.cuda.Stream()): its data from two
+  // streams is not provably one job's.
+  const bool default_across_streams = survivor->owner == kDefaultJob &&
+                                      absorbed->owner == kDefaultJob &&
+                                      survivor->stream != absorbed->stream;
+  survivor->owner =
+      default_across_streams ? kMixed : combine_owners(survivor->owner, absorbed->owner);
   delete absorbed;
 }
 
