@@ -351,7 +351,7 @@ class HostAllocator:
 
 def _loaded_modules(load_host: bool) -> list:
     modules = [_modules[kind] for kind in ("host", "cpu", "cuda") if _modules.get(kind) is not None]
-    if load_host and _modules.get("host") is None:
+    if load_host and not modules:  # a thread marked before any allocator is built
         modules.append(_extension("host"))
     return modules
 
