@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wwrun.allocator import HostAllocator
+from wwrun.allocator import HostAllocator, is_job_thread, mark_job_thread, unmark_job_thread
 
 MiB = 1 << 20
 ALIGN = 512
@@ -26,6 +26,14 @@ def two_jobs(capacity=256 * MiB, **kwargs):
     alloc.register_stream(A, "A")
     alloc.register_stream(B, "B")
     return alloc
+
+
+@pytest.fixture
+def job_thread():
+    """Marks the test's thread as a job's thread (rule f may wait) for the test."""
+    mark_job_thread("B")
+    yield
+    unmark_job_thread()
 
 
 def fill(alloc, ptr, size, byte):
@@ -112,7 +120,7 @@ def test_rule_e_releases_a_wholly_free_segment_waiting_on_its_own_event():
     assert alloc.waits() == []  # nothing was handed across streams
 
 
-def test_rule_f_waits_for_an_expected_release_then_succeeds():
+def test_rule_f_waits_for_an_expected_release_then_succeeds(job_thread):
     alloc = two_jobs(capacity=12 * MiB)
     held = alloc.alloc(11 * MiB, A)
     alloc.set_expected_releases(["A"], timeout_s=10.0)
@@ -121,7 +129,54 @@ def test_rule_f_waits_for_an_expected_release_then_succeeds():
     assert got.rule == "f" and got.ptr == held and got.zeroed
 
 
-def test_rule_f_is_bounded_and_skipped_without_expected_releases():
+def test_rule_f_waits_in_a_job_thread_that_does_not_hold_the_gil(job_thread):
+    """torch's ops allocate with the GIL released: a job thread still waits, and
+    the job whose free it waits for runs meanwhile."""
+    alloc = two_jobs(capacity=12 * MiB)
+    held = alloc.alloc(11 * MiB, A)
+    alloc.set_expected_releases(["A"], timeout_s=60.0)
+    threading.Timer(0.1, alloc.free, args=(held,)).start()
+    got = alloc.alloc_traced(11 * MiB, B, hold_gil=False)
+    assert got.rule == "f" and got.ptr == held and got.zeroed
+
+
+@pytest.mark.parametrize("hold_gil", [True, False])
+def test_rule_f_never_waits_in_an_unmarked_thread(hold_gil):
+    """The shared autograd thread (any unmarked thread) fails at once instead of
+    waiting: its stall would stop every job's backward."""
+    alloc = two_jobs(capacity=12 * MiB)
+    alloc.alloc(11 * MiB, A)
+    alloc.set_expected_releases(["A"], timeout_s=600.0)
+    errors = []
+
+    def unmarked():
+        assert not is_job_thread()
+        try:
+            alloc.alloc_traced(11 * MiB, B, hold_gil=hold_gil)
+        except torch.OutOfMemoryError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=unmarked)
+    thread.start()
+    thread.join()  # a wait would last 600 s: the test would time out
+    assert len(errors) == 1
+    assert alloc.stats()["device"]["num_release_waits"] == 0
+
+
+def test_marks_are_per_thread():
+    mark_job_thread("A")
+    try:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(is_job_thread()))
+        thread.start()
+        thread.join()
+        assert is_job_thread() and seen == [False]
+    finally:
+        unmark_job_thread()
+    assert not is_job_thread()
+
+
+def test_rule_f_is_bounded_and_skipped_without_expected_releases(job_thread):
     alloc = two_jobs(capacity=12 * MiB)
     alloc.alloc(11 * MiB, A)
     start = time.monotonic()
@@ -336,6 +391,30 @@ def test_unregistered_streams_belong_to_the_default_job():
     alloc.alloc(4096, A)
     assert alloc.job_stats("default")["allocated_bytes"]["current"] == 8192
     assert alloc.job_stats("A")["active"] is False
+
+
+def test_a_block_freed_on_one_unregistered_stream_comes_back_zeroed_on_another():
+    """Unregistered streams (a script's own streams) all count as the default
+    job, but may belong to different jobs: a handover between them is zeroed."""
+    alloc = two_jobs()
+    ptr = alloc.alloc(4096, 42)
+    fill(alloc, ptr, 4096, 0xAB)
+    alloc.free(ptr)
+    again = alloc.alloc_traced(4096, 43)
+    assert again.ptr == ptr and again.zeroed
+    assert alloc.read(ptr, 4096) == bytes(4096)
+
+
+def test_a_stream_a_live_job_holds_is_not_rebound_to_another_job():
+    """torch's pool hands a sweep's 33rd job the 1st job's stream: binding it
+    again must fail, or the two jobs would share memory unzeroed."""
+    alloc = two_jobs()
+    with pytest.raises(ValueError, match="held by live job 'A'"):
+        alloc.register_stream(A, "C")
+    alloc.register_stream(A, "A")  # the same job again is fine
+    alloc.unregister_job("A")
+    alloc.register_stream(A, "C")  # an ended job's stream may be reused
+    assert "C" in alloc.stats()["jobs"]
 
 
 def test_bad_input_gives_clear_errors():
@@ -700,3 +779,197 @@ def test_threaded_stress_keeps_every_job_s_data_intact():
     assert stats["device"]["allocated_bytes"]["current"] == 0
     assert all(len(segment["blocks"]) == 1 for segment in alloc.segments())
     assert sum(stats["rules"].values()) == stats["device"]["allocations"]["allocated"]
+
+
+# --- the CPU allocator: real torch ops ------------------------------------------------
+
+import subprocess  # noqa: E402
+import textwrap  # noqa: E402
+
+from wwrun import allocator as wwalloc  # noqa: E402
+
+
+@pytest.fixture
+def cpu_allocator():
+    """Installs the CPU allocator with the given capacity for one test."""
+
+    def install(capacity):
+        wwalloc.install_cpu_allocator(capacity)
+
+    yield install
+    if wwalloc.is_cpu_allocator_installed():
+        wwalloc.cpu_empty_cache()
+    wwalloc.uninstall_cpu_allocator()
+
+
+def run_jobs(*bodies):
+    """Runs each body(job_name) in its own thread marked as that job; returns
+    the exceptions they raised, by job."""
+    errors = {}
+
+    def run(name, body):
+        wwalloc.mark_job_thread(name)
+        try:
+            body(name)
+        except BaseException as error:  # noqa: BLE001 - returned to the test
+            errors[name] = error
+        finally:
+            wwalloc.unmark_job_thread()
+
+    threads = [
+        threading.Thread(target=run, args=(f"job{i}", body)) for i, body in enumerate(bodies)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_cpu_allocator_counts_what_each_job_s_real_ops_allocate(cpu_allocator):
+    cpu_allocator(512 * MiB)
+    both_hold = threading.Barrier(2)
+    sizes = {"job0": 3 * MiB, "job1": 7 * MiB}
+
+    def body(name):
+        x = torch.empty(sizes[name], dtype=torch.uint8)
+        y = x.float()  # a temporary of 4 bytes per element, freed below
+        del y
+        both_hold.wait()
+        figures = wwalloc.cpu_job_stats(name)["allocated_bytes"]
+        assert sizes[name] <= figures["current"] < sizes[name] + MiB
+        assert 5 * sizes[name] <= figures["peak"] < 5 * sizes[name] + MiB
+        both_hold.wait()
+        del x
+
+    assert run_jobs(body, body) == {}
+    stats = wwalloc.cpu_stats()
+    assert stats["jobs"]["job0"]["allocated_bytes"]["current"] == 0
+    assert stats["jobs"]["job1"]["allocated_bytes"]["current"] == 0
+    assert stats["device"]["allocated_bytes"]["peak"] >= 5 * 7 * MiB + 3 * MiB
+
+
+def test_cpu_allocator_counts_forward_backward_and_optimizer_state(cpu_allocator):
+    cpu_allocator(512 * MiB)
+
+    def body(name):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+        params = sum(p.numel() * 4 for p in model.parameters())
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(64, 256)).square().mean().backward()
+        optimizer.step()
+        # parameters, gradients and Adam's two moments
+        assert wwalloc.cpu_job_stats(name)["allocated_bytes"]["current"] >= 4 * params
+
+    assert run_jobs(body) == {}
+
+
+def test_numpy_backed_tensors_and_tensors_made_before_install_are_not_counted(cpu_allocator):
+    import numpy as np
+
+    before = torch.ones(MiB, dtype=torch.uint8)
+    cpu_allocator(64 * MiB)
+
+    def body(name):
+        view = torch.from_numpy(np.ones(MiB, dtype=np.uint8))
+        assert wwalloc.cpu_job_stats(name)["allocated_bytes"]["current"] == 0
+        del view
+
+    assert run_jobs(body) == {}
+    del before  # frees through torch's own allocator, its DataPtr's deleter
+    assert wwalloc.cpu_stats()["device"]["allocated_bytes"]["allocated"] == 0
+
+
+def test_a_cpu_job_over_the_limit_gets_out_of_memory_alone(cpu_allocator):
+    cpu_allocator(64 * MiB)
+    other_done = threading.Event()
+
+    def too_big(name):
+        torch.empty(100 * MiB, dtype=torch.uint8)
+
+    def fits(name):
+        x = torch.empty(4 * MiB, dtype=torch.uint8)
+        assert (torch.nn.functional.relu(x.float()) >= 0).all()
+        other_done.set()
+
+    errors = run_jobs(too_big, fits)
+    assert set(errors) == {"job0"} and isinstance(errors["job0"], torch.OutOfMemoryError)
+    assert "job0" in str(errors["job0"])
+    assert other_done.is_set()
+
+
+def test_rule_f_waits_on_a_real_op_until_another_job_frees(cpu_allocator):
+    """torch.empty allocates with the GIL released: job1's thread waits for
+    job0's free (rule f), and job0 runs meanwhile."""
+    cpu_allocator(40 * MiB)
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder(name):
+        x = torch.empty(30 * MiB, dtype=torch.uint8)
+        held.set()
+        release.wait()
+        del x
+
+    waiter_done = threading.Event()
+
+    def waiter(name):
+        held.wait()
+        try:
+            y = torch.ones(30 * MiB, dtype=torch.uint8)
+            assert int(y[0]) == 1
+        finally:
+            waiter_done.set()
+
+    def releaser():
+        held.wait()
+        while wwalloc.cpu_stats()["device"]["num_release_waits"] == 0:
+            if waiter_done.wait(0.01):  # it never waited: the test fails below
+                break
+        release.set()
+
+    wwalloc.cpu_set_expected_releases(["job0"], timeout_s=120.0)
+    watcher = threading.Thread(target=releaser)
+    watcher.start()
+    errors = run_jobs(holder, waiter)
+    watcher.join()
+    assert errors == {}
+    stats = wwalloc.cpu_stats()
+    assert stats["device"]["num_release_waits"] >= 1 and stats["rules"]["f"] >= 1
+
+
+def test_a_forked_dataloader_under_the_cpu_allocator_does_not_deadlock(tmp_path):
+    """Two fork workers while another job's thread allocates and frees without
+    pause: a lock held at fork time is remade in the child (pthread_atfork)."""
+    script = tmp_path / "forked.py"
+    script.write_text(textwrap.dedent("""
+        import threading, torch
+        from torch.utils.data import DataLoader, TensorDataset
+        from wwrun import allocator as wwalloc
+
+        wwalloc.install_cpu_allocator(256 << 20)
+        stop = threading.Event()
+
+        def churn():
+            wwalloc.mark_job_thread("busy")
+            while not stop.is_set():
+                torch.empty(1 << 16).add_(1)
+
+        busy = threading.Thread(target=churn)
+        busy.start()
+        wwalloc.mark_job_thread("loader")
+        data = TensorDataset(torch.arange(64.0))
+        loader = DataLoader(data, batch_size=4, num_workers=2, multiprocessing_context="fork")
+        for _ in range(3):
+            total = sum(float(batch[0].sum()) for batch in loader)
+        stop.set()
+        busy.join()
+        assert total == sum(range(64)), total
+        print("ok", wwalloc.cpu_job_stats("loader")["allocations"]["allocated"] > 0)
+    """))
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", str(script)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["ok", "True"]

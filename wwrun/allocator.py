@@ -34,18 +34,31 @@ import torch
 __all__ = [
     "AllocationTrace",
     "HostAllocator",
+    "cpu_empty_cache",
+    "cpu_job_stats",
+    "cpu_reset_peak_stats",
+    "cpu_set_expected_releases",
+    "cpu_stats",
+    "cpu_unregister_job",
     "install",
+    "install_cpu_allocator",
+    "is_cpu_allocator_installed",
     "is_installed",
+    "is_job_thread",
     "job_stats",
+    "mark_job_thread",
     "register_stream",
     "set_expected_releases",
     "source_dir",
     "stats",
+    "uninstall_cpu_allocator",
+    "unmark_job_thread",
     "unregister_job",
 ]
 
 _CORE_SOURCES = ["allocator_core.cpp"]
 _HOST_SOURCES = ["host_backend.cpp", "host_bindings.cpp"]
+_CPU_SOURCES = ["host_backend.cpp", "cpu_allocator.cpp"]
 _CUDA_SOURCES = ["cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
 _CXX_FLAGS = ["-O3", "-Wall"]  # the language standard is torch's choice
 DEFAULT_RELEASE_WAIT_S = 2.0
@@ -69,14 +82,15 @@ def source_dir() -> Path:
 
 
 def _extension(kind: str):
-    """The compiled module for `kind` ("host" or "cuda"), built once per process
+    """The compiled module for `kind` ("host", "cpu" or "cuda"), built once per process
     (and once per source change on disk)."""
     with _build_lock:
         if kind not in _modules:
             from torch.utils import cpp_extension
 
             src = source_dir()
-            names = _CORE_SOURCES + (_HOST_SOURCES if kind == "host" else _CUDA_SOURCES)
+            extra = {"host": _HOST_SOURCES, "cpu": _CPU_SOURCES, "cuda": _CUDA_SOURCES}[kind]
+            names = _CORE_SOURCES + extra
             _modules[kind] = cpp_extension.load(
                 name=f"wwrun_allocator_{kind}",
                 sources=[str(src / name) for name in names],
@@ -208,10 +222,12 @@ class HostAllocator:
         Raises torch.OutOfMemoryError (rule g)."""
         return self.alloc_traced(nbytes, stream).ptr
 
-    def alloc_traced(self, nbytes: int, stream: int = 0) -> AllocationTrace:
+    def alloc_traced(self, nbytes: int, stream: int = 0, *, hold_gil: bool = True) -> AllocationTrace:
+        """As alloc, with the rule reached. `hold_gil=False` allocates with the GIL
+        released, as torch's ops call their allocator."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return AllocationTrace(*self._impl.allocate(nbytes, stream))
+        return AllocationTrace(*self._impl.allocate(nbytes, stream, hold_gil))
 
     def free(self, ptr: int) -> None:
         """Frees a block; raises ValueError for an address this allocator did not give."""
@@ -326,6 +342,122 @@ class HostAllocator:
         if window < 1 or repeats < 1:
             raise ValueError("window and repeats must be >= 1")
         return self._impl.benchmark_trace(sizes, window, repeats, stream)
+
+
+# --------------------------------------------------------------------------
+# Job threads: the only threads rule f lets wait
+# --------------------------------------------------------------------------
+
+
+def _loaded_modules(load_host: bool) -> list:
+    modules = [_modules[kind] for kind in ("host", "cpu", "cuda") if _modules.get(kind) is not None]
+    if load_host and not modules:  # a thread marked before any allocator is built
+        modules.append(_extension("host"))
+    return modules
+
+
+def mark_job_thread(job: str, memory_limit: int | None = None) -> None:
+    """Marks the calling thread as `job`'s thread (thread-local), from the moment
+    its job starts: only marked threads wait for other jobs' frees (rule f),
+    with or without the GIL. The shared autograd thread is never marked. With
+    the CPU allocator installed, the thread's CPU tensors count to `job` too,
+    under its `memory_limit` bytes."""
+    _check_job(job)
+    limit = _check_bytes(memory_limit)
+    for module in _loaded_modules(load_host=True):
+        module.mark_job_thread(job)
+    if is_cpu_allocator_installed():
+        _modules["cpu"].bind_thread(job, limit)
+
+
+def unmark_job_thread() -> None:
+    """The calling thread's job ended: it no longer waits (rule f), and its CPU
+    tensors count to the default job."""
+    for module in _loaded_modules(load_host=False):
+        module.unmark_job_thread()
+    if _modules.get("cpu") is not None:
+        _modules["cpu"].unbind_thread()
+
+
+def is_job_thread() -> bool:
+    return any(module.is_job_thread() for module in _loaded_modules(load_host=False))
+
+
+# --------------------------------------------------------------------------
+# CPU: PyTorch's CPU allocator for a run
+# --------------------------------------------------------------------------
+
+
+def install_cpu_allocator(capacity: int) -> None:
+    """Routes every CPU tensor torch allocates from now on through the allocator,
+    with `capacity` bytes (the run's memory limit). Threads marked with
+    mark_job_thread count to their job; a job that cannot get memory after
+    rule f gets torch.OutOfMemoryError. Tensors made before keep freeing through
+    their own allocator; numpy-backed tensors (torch.from_numpy) are not torch's
+    memory and are not counted. Forked children (DataLoader workers) go back to
+    torch's allocator. Idempotent while installed."""
+    module = _extension("cpu")
+    module.install(_check_bytes(capacity, "capacity"))
+
+
+def uninstall_cpu_allocator() -> None:
+    """torch's previous CPU allocator serves new tensors again; tensors made
+    meanwhile still free through ours."""
+    if _modules.get("cpu") is not None:
+        _modules["cpu"].uninstall()
+
+
+def is_cpu_allocator_installed() -> bool:
+    module = _modules.get("cpu")
+    return module is not None and module.installed()
+
+
+def _cpu():
+    if not is_cpu_allocator_installed():
+        raise RuntimeError(
+            "wwrun allocator: the CPU allocator is not installed; call "
+            "wwrun.allocator.install_cpu_allocator() first"
+        )
+    return _modules["cpu"]
+
+
+def cpu_stats() -> dict:
+    """The CPU allocator's figures: {"device": ..., "jobs": {job: ...}, ...}, as stats()."""
+    return _cpu().snapshot()
+
+
+def cpu_job_stats(job: str) -> dict:
+    """One job's CPU figures (allocated_bytes current/peak, allocations, limit, ...)."""
+    return _job_view(cpu_stats(), _check_job(job))
+
+
+def cpu_reset_peak_stats(job: str | None = None) -> None:
+    """Peaks restart from current usage: of one job, or of the device and all jobs."""
+    module = _cpu()
+    if job is None:
+        module.reset_peak(None)
+        return
+    job_id = module.find_job(_check_job(job))
+    if job_id is None:
+        raise ValueError(f"unknown job {job!r}")
+    module.reset_peak(job_id)
+
+
+def cpu_set_expected_releases(
+    jobs: Iterable[str] | Mapping[str, int], timeout_s: float = 2.0
+) -> None:
+    """Rule f on the CPU: the jobs about to free memory, and how long a job thread waits."""
+    _cpu().set_expected_releases(_expected_jobs(jobs), _check_wait(timeout_s))
+
+
+def cpu_unregister_job(job: str) -> None:
+    """The job ended: its figures stay; its blocks go to other jobs zeroed."""
+    _cpu().unregister_job(_check_job(job))
+
+
+def cpu_empty_cache() -> int:
+    """Releases wholly free segments to the operating system; returns bytes."""
+    return _cpu().empty_cache()
 
 
 # --------------------------------------------------------------------------

@@ -575,6 +575,7 @@ class _Runner:
 
             capacity = torch.cuda.get_device_properties(stream.device).total_memory
             allocator.register_stream(stream, job.spec.name, resolve_size(job.spec.memory_limit, capacity))
+            allocator.mark_job_thread(job.spec.name)  # rule f may wait on this thread only
         torch.cuda.set_stream(stream)
 
     def _release_device(self, job: _Job) -> None:

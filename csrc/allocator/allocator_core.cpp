@@ -1,6 +1,8 @@
 // The backend-agnostic core of the memory-flow allocator: the policy a-g, split
 // and coalesce, events, accounting. See waterwave_allocator.h for the policy and
 // the invariants; this file follows it rule by rule.
+#include <new>
+#include <stdexcept>
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
@@ -266,7 +268,10 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
     block->event = nullptr;
   }
 
-  out.zeroed = block->owner != job && block->owner != kClean;
+  // Zeroed unless provably the same job's: a default-job block (unregistered
+  // streams) moving to another stream may cross jobs.
+  out.zeroed = block->owner != kClean &&
+               (block->owner != job || (job == kDefaultJob && block->stream != stream));
   if (out.zeroed) {
     stats_.scrubbed_bytes += static_cast<std::int64_t>(block->size);
     jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(block->size);
@@ -301,6 +306,7 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
   if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
   const std::uint64_t seen = free_count_;
   ++release_waiters_;
+  ++stats_.num_release_waits;
   void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =
@@ -448,7 +454,14 @@ void MemoryFlowAllocator::merge_into(Block* survivor, Block* absorbed) {
     if (absorbed->next != nullptr) absorbed->next->prev = survivor;
   }
   survivor->size += absorbed->size;
-  survivor->owner = combine_owners(survivor->owner, absorbed->owner);
+  // The default job gathers every unregistered stream, which may belong to
+  // different jobs (a script's own torch.cuda.Stream()): its data from two
+  // streams is not provably one job's.
+  const bool default_across_streams = survivor->owner == kDefaultJob &&
+                                      absorbed->owner == kDefaultJob &&
+                                      survivor->stream != absorbed->stream;
+  survivor->owner =
+      default_across_streams ? kMixed : combine_owners(survivor->owner, absorbed->owner);
   delete absorbed;
 }
 
@@ -743,6 +756,16 @@ std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
 JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& name,
                                            std::size_t limit) {
   Lock lock(mutex_);
+  // A stream a live job holds is that job's owner: rebinding it would let the
+  // two jobs pass memory between them unzeroed (torch's stream pool recycles
+  // streams after 32, so a sweep's 33rd job can be handed the 1st job's).
+  auto bound = stream_jobs_.find(stream);
+  if (bound != stream_jobs_.end() && jobs_[bound->second].active &&
+      jobs_[bound->second].name != name) {
+    throw std::invalid_argument("wwrun allocator: stream is held by live job '" +
+                                jobs_[bound->second].name + "'; cannot bind it to '" + name +
+                                "'");
+  }
   JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
   if (job == static_cast<JobId>(jobs_.size())) {
     JobStats stats;
@@ -753,6 +776,13 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
   jobs_[job].limit = limit;
   stream_jobs_[stream] = job;
   return job;
+}
+
+void MemoryFlowAllocator::reset_after_fork() {
+  new (&mutex_) std::mutex();
+  new (&freed_cv_) std::condition_variable();
+  release_waiters_ = 0;
+  expected_releases_.clear();
 }
 
 bool MemoryFlowAllocator::unregister_job(const std::string& name) {
@@ -874,6 +904,7 @@ void MemoryFlowAllocator::reset_accumulated(std::optional<JobId> job) {
   }
   stats_.num_ooms = 0;
   stats_.num_alloc_retries = 0;
+  stats_.num_release_waits = 0;
   for (JobStats& stats : jobs_) reset_job(stats);
 }
 

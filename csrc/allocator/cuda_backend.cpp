@@ -53,8 +53,14 @@ void* CudaBackend::segment_alloc(std::size_t bytes) {
 }
 
 void CudaBackend::segment_free(void* ptr, std::size_t /*bytes*/) {
+  // At process exit the runtime may unload before the last tensors die: then
+  // the memory is going away with the process, not an error.
+  int current = 0;
+  if (cudaGetDevice(&current) == cudaErrorCudartUnloading) return;
   DeviceScope scope(device_);
-  check(cudaFree(ptr), "cudaFree");
+  const cudaError_t status = cudaFree(ptr);
+  if (status == cudaErrorCudartUnloading) return;
+  check(status, "cudaFree");
 }
 
 EventHandle CudaBackend::event_create() {

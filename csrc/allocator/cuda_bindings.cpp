@@ -1,6 +1,7 @@
 // Python module for the CUDA build: install the allocator into PyTorch, bind
 // job streams, read the figures. Streams are passed as integers (cuda_stream).
 #include "bindings_common.h"
+#include "python_wait_hooks.h"
 #include "torch_cuda_allocator.h"
 
 namespace py = pybind11;
@@ -11,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   wwrun::alloc::register_out_of_memory(m);
   m.def("install", &tc::install);
   m.def("installed", &tc::installed);
+  m.def("mark_job_thread", &wwrun::alloc::mark_job_thread);
+  m.def("unmark_job_thread", &wwrun::alloc::unmark_job_thread);
+  m.def("is_job_thread", &wwrun::alloc::is_job_thread);
   m.def("register_stream", [](int device, StreamId stream, const std::string& job,
                               std::size_t limit) {
     return tc::core(device).register_stream(stream, job, limit);

@@ -49,6 +49,8 @@ class HostBackend : public Backend {
   std::vector<WaitRecord> waits();
   std::size_t used_bytes();
   std::size_t capacity() const { return capacity_; }
+  // In a forked child: a lock another parent thread held is remade.
+  void reset_after_fork() { new (&mutex_) std::mutex(); }
 
  private:
   struct SimStream {

@@ -55,19 +55,29 @@ using wwrun::alloc::StreamId;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   wwrun::alloc::register_out_of_memory(m);
   m.attr("RULES") = py::str(wwrun::alloc::kRuleNames);
+  m.def("mark_job_thread", &wwrun::alloc::mark_job_thread);
+  m.def("unmark_job_thread", &wwrun::alloc::unmark_job_thread);
+  m.def("is_job_thread", &wwrun::alloc::is_job_thread);
 
   py::class_<HostAllocator>(m, "HostAllocator")
       .def(py::init<std::size_t, std::size_t>(), py::arg("capacity"),
            py::arg("reserved_limit") = 0)
       .def("allocate",
-           [](HostAllocator& self, std::size_t bytes, StreamId stream) {
-             // Called with the GIL held, as PyTorch calls its allocator from
-             // forward code; rule f's hooks release it for a wait.
-             Allocation a = self.allocator().allocate(bytes, stream);
+           [](HostAllocator& self, std::size_t bytes, StreamId stream, bool hold_gil) {
+             // With the GIL held (pybind's default), or without it, as torch's
+             // ops call their allocator; rule f's hooks release it if held.
+             Allocation a;
+             if (hold_gil) {
+               a = self.allocator().allocate(bytes, stream);
+             } else {
+               py::gil_scoped_release released;
+               a = self.allocator().allocate(bytes, stream);
+             }
              return py::make_tuple(reinterpret_cast<std::uintptr_t>(a.ptr), a.size,
                                    std::string(1, wwrun::alloc::kRuleNames[a.rule]),
                                    a.zeroed, a.waited);
-           })
+           },
+           py::arg("bytes"), py::arg("stream"), py::arg("hold_gil") = true)
       .def("free",
            [](HostAllocator& self, std::uintptr_t ptr) {
              py::gil_scoped_release released;

@@ -1,23 +1,42 @@
 // Rule f's hooks for an allocator living in a Python process (both builds).
 //
-// Only job threads wait for other jobs' frees, and they are the ones holding
-// the GIL when they allocate (forward code); the shared autograd thread runs
-// without it and must never wait (its stall would stop every job's backward,
-// see shared/facts.md). A waiting job thread releases the GIL, or the jobs whose
-// frees it waits for could not run.
+// Only job threads wait for other jobs' frees. A job thread is marked as such,
+// thread-locally, when its job starts (mark_job_thread); the shared autograd
+// thread and every other unmarked thread never wait (a stall there would stop
+// every job's backward, see shared/facts.md). torch's bindings release the GIL
+// before an op allocates, so a job thread may arrive with or without it: a
+// waiting thread releases the GIL only if it holds it, or the jobs whose frees
+// it waits for could not run.
 #pragma once
 
 #include <Python.h>
+
+#include <string>
 
 #include "waterwave_allocator.h"
 
 namespace wwrun::alloc {
 
+// The job this thread runs, or empty for threads that must never wait.
+inline std::string& job_thread_mark() {
+  thread_local std::string job;
+  return job;
+}
+
+inline void mark_job_thread(const std::string& job) { job_thread_mark() = job; }
+inline void unmark_job_thread() { job_thread_mark().clear(); }
+inline bool is_job_thread() { return !job_thread_mark().empty(); }
+
 inline WaitHooks python_wait_hooks() {
   WaitHooks hooks;
-  hooks.may_wait = [] { return Py_IsInitialized() && PyGILState_Check(); };
-  hooks.before = []() -> void* { return PyEval_SaveThread(); };
-  hooks.after = [](void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); };
+  hooks.may_wait = [] { return is_job_thread(); };
+  hooks.before = []() -> void* {
+    if (!Py_IsInitialized() || !PyGILState_Check()) return nullptr;
+    return PyEval_SaveThread();
+  };
+  hooks.after = [](void* state) {
+    if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
+  };
   return hooks;
 }
 

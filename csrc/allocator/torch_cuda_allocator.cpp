@@ -11,6 +11,7 @@
 // Reference: c10/cuda/CUDACachingAllocator.h of the installed torch; the
 // interface changes between versions, so differences are guarded with
 // WWRUN_TORCH_AT_LEAST (only 2.13 has been compiled against).
+#include <cstdio>
 #include "torch_cuda_allocator.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -47,7 +48,7 @@ using c10::MempoolId_t;
 
 namespace {
 
-void delete_ptr(void* ptr);
+void delete_ptr(void* ptr) noexcept;
 
 // Copies our figures into c10's shape; every pool slot gets the aggregate.
 c10::CachingDeviceAllocator::StatArray stat_array(const Stat& stat) {
@@ -303,7 +304,19 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
 // static destructors would have run.
 WaterwaveCUDAAllocator* the_allocator = nullptr;
 
-void delete_ptr(void* ptr) { the_allocator->free_ptr(ptr); }
+// A DataPtr deleter runs inside destructors: it must never throw. On an error
+// the block is logged and leaked; at process exit the CUDA runtime may already
+// be unloading, and then there is nothing left to free.
+void delete_ptr(void* ptr) noexcept {
+  try {
+    the_allocator->free_ptr(ptr);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "wwrun allocator: leaking a block that could not be freed: %s\n",
+                 error.what());
+  } catch (...) {
+    std::fprintf(stderr, "wwrun allocator: leaking a block that could not be freed\n");
+  }
+}
 
 }  // namespace
 

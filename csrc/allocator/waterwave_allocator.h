@@ -225,6 +225,7 @@ struct DeviceStats {
   Stat segments;
   std::int64_t num_ooms = 0;
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
+  std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
@@ -272,10 +273,11 @@ struct Allocation {
 
 // Rule f's hooks into the host. `may_wait` says whether the calling thread may
 // wait at all (unset: yes); `before` runs under the allocator lock and returns a
-// token, `after` gets it back with the lock released. The CUDA build waits only
-// on threads holding Python's GIL (job threads; never the shared autograd
-// thread, whose stall would stop every job's backward) and releases the GIL for
-// the wait, or the jobs whose frees it waits for could not run.
+// token, `after` gets it back with the lock released. In Python processes only
+// threads marked as job threads wait (never the shared autograd thread, whose
+// stall would stop every job's backward), and a waiting thread releases the GIL
+// if it holds it, or the jobs whose frees it waits for could not run
+// (python_wait_hooks.h).
 struct WaitHooks {
   std::function<bool()> may_wait;
   std::function<void*()> before;
@@ -339,6 +341,11 @@ class MemoryFlowAllocator {
   // The segment containing ptr: its base, and its size in *size. nullptr if none.
   void* segment_base(void* ptr, std::size_t* size) const;
   std::size_t largest_free_block() const;
+
+  // In a forked child (pthread_atfork): the parent's other threads do not exist
+  // here, so a lock one of them held is remade, and no waiter or expected
+  // release survives. Only the forking thread runs, with no lock held by it.
+  void reset_after_fork();
 
  private:
   using Lock = std::unique_lock<std::mutex>;
