@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wwrun import isolation, libstate
+from wwrun import isolation, libstate, rng
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, resolve_size
 from wwrun.output import JobOutput, Pump
 
@@ -156,6 +156,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
 
     isolation.install()
     libstate.install()
+    rng.install()
     return _Runner(config, display or make_display(config)).run()
 
 
@@ -322,6 +323,7 @@ class _Runner:
         code, error = 0, None
         try:
             isolation.enter(ctx)
+            rng.enter_job()
             self._prepare_device(job)
             if self.engine is not None:  # may wait until the job fits beside the others
                 self.engine.job_started(job.spec.name, job.spec.priority)
@@ -345,6 +347,7 @@ class _Runner:
                 except (OSError, ValueError):
                     pass
             ctx.stdin.close()
+            rng.leave_job()
             isolation.leave()
         self._release_device(job)
         with self._cond:
