@@ -18,8 +18,15 @@
 // then ran CompositeExplicitAutogradNonFunctional's kernel instead of the CPU one.
 // Per-op fallthroughs are not allowed. TESTING_ONLY_GenericMode is a mode key above
 // autograd that no alias fills and torch itself never registers: a fallthrough
-// fallback makes it free for every op but the random ones. Being above the Python
-// key, it also sees FakeTensors while torch.compile traces: those are left alone.
+// fallback makes it free for every op but the random ones.
+//
+// Being above the Python key, the kernel also runs while torch.compile or export
+// traces: then (a fake or proxy mode active, or a tensor subclass among the
+// arguments) it leaves the op alone, so that no generator is baked into a graph;
+// the compiled code draws at run time, through this kernel again. It must not wait
+// for the Python key to pass, though: inside a TorchDispatchMode's
+// __torch_dispatch__ every key above Python is excluded (AOTAutograd runs compiled
+// code's first call under one), so draws there would go to torch's generator.
 //
 // Reference: c10/core/DispatchKey.h, aten/src/ATen/core/dispatch/OperatorEntry.cpp
 // (computeDispatchTableEntryWithDebug).
@@ -32,6 +39,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <map>
 #include <memory>
@@ -101,9 +109,25 @@ at::Generator default_generator(const at::Device& device) {
   return at::globalContext().defaultGenerator(device);
 }
 
+bool tracing(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) {
+  using c10::impl::TorchDispatchModeKey;
+  using c10::impl::TorchDispatchModeTLS;
+  if (TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::FAKE) ||
+      TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::PROXY)) {
+    return true;
+  }
+  const size_t n = schema.arguments().size();
+  for (size_t i = stack.size() - n; i < stack.size(); ++i) {
+    if (stack[i].isTensor() && stack[i].toTensor().key_set().has(c10::DispatchKey::Python)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
-  if (tls.active && !keys.has(c10::DispatchKey::Python)) {
+  if (tls.active && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
     const auto& schema = op.schema();
     const auto& args = schema.arguments();
     const size_t base = stack->size() - args.size();
@@ -123,18 +147,21 @@ void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet key
 }
 
 // Note [Swapped draws]
-// native_dropout on CUDA and the fused attention kernels take no generator: they
-// read CUDA's default one. The job's state is copied into it for the call and
-// copied back after, under swap_lock so that two jobs never interleave there.
-// Kernel launches are asynchronous; the philox seed and offset are read on the host
-// at launch, inside the lock.
+// Some ops draw from the default generator without taking one: native_dropout and
+// the fused attention kernels on CUDA, and, inside a TorchDispatchMode (where the
+// job key is excluded, see Note [Which key]), the overloads without a generator
+// (`randint.low_out` calls `random_` below the mode). For those the job's state is
+// copied into the default generator for the call and copied back after, under
+// swap_lock so that two jobs never interleave there; substitution is off meanwhile,
+// so that every draw of the call lands in the default generator. CUDA launches are
+// asynchronous; the philox seed and offset are read on the host at launch.
 std::mutex swap_lock;
 
 void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                         torch::jit::Stack* stack) {
-  if (tls.active && !keys.has(c10::DispatchKey::Python)) {
+  if (tls.active && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
     const at::Device device = op_device(op.schema(), *stack);
-    at::Generator* mine = device.is_cuda() ? job_generator(device) : nullptr;
+    at::Generator* mine = job_generator(device);
     if (mine != nullptr) {
       std::lock_guard<std::mutex> serial(swap_lock);
       at::Generator shared = default_generator(device);
@@ -144,7 +171,10 @@ void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
         saved = shared.get_state();
         shared.set_state(mine->get_state());
       }
+      // Inner ops draw from the shared generator too, not from `mine` directly.
+      tls.active = false;
       auto restore = [&] {
+        tls.active = true;
         std::scoped_lock both(shared.mutex(), mine->mutex());
         mine->set_state(shared.get_state());
         shared.set_state(saved);
@@ -180,8 +210,10 @@ std::string qualified(const c10::OperatorName& name) {
 }
 
 // Registers the job key's kernels for every operator known now: the substitution
-// for ops with a `Generator?` argument, the swap for `swap_ops` (qualified names,
-// those missing from this torch are skipped); every other op falls through.
+// for ops with a `Generator?` argument; the swap for `swap_ops` (qualified names,
+// those missing from this torch are skipped) and for the overloads without a
+// generator of ops that have one (`randn.out` beside `randn.generator_out`);
+// every other op falls through.
 // Returns the names given the substitution. Idempotent per operator.
 std::vector<std::string> register_kernels(const std::vector<std::string>& swap_ops) {
   std::lock_guard<std::mutex> guard(registration_lock);
@@ -194,7 +226,15 @@ std::vector<std::string> register_kernels(const std::vector<std::string>& swap_o
         torch::Library::IMPL, "_", kJobKey, __FILE__, __LINE__));
     libraries.back()->fallback(torch::CppFunction::makeFallthrough());
   }
-  for (const auto& name : dispatcher.getAllOpNames()) {
+  const auto names = dispatcher.getAllOpNames();
+  std::set<std::string> drawing;  // ops (without overload) with a generator overload
+  for (const auto& name : names) {
+    auto handle = dispatcher.findOp(name);
+    if (handle && handle->hasSchema() && has_generator_argument(handle->schema())) {
+      drawing.insert(name.name);
+    }
+  }
+  for (const auto& name : names) {
     const std::string full = qualified(name);
     if (done.count(full)) continue;
     auto handle = dispatcher.findOp(name);
@@ -204,9 +244,10 @@ std::vector<std::string> register_kernels(const std::vector<std::string>& swap_o
     const std::string ns = name.name.substr(0, split);
     const std::string local = full.substr(split + 2);
     auto& lib = library_for(ns);
-    if (swap.count(full)) {
+    const bool takes_generator = has_generator_argument(handle->schema());
+    if (swap.count(full) || (!takes_generator && drawing.count(name.name))) {
       lib.impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&swap_default_state>());
-    } else if (has_generator_argument(handle->schema())) {
+    } else if (takes_generator) {
       lib.impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&substitute_generator>());
       substituted.push_back(full);
     }
