@@ -165,20 +165,22 @@ def _build_extension() -> None:
 
 
 def _patch_threads() -> None:
-    start, bootstrap = threading.Thread.start, threading.Thread._bootstrap_inner
+    # The state is taken up in `run`, once the thread has started.
+    start = threading.Thread.start
 
     def thread_start(self):
-        self._wwrun_rng = current_state()
+        state = current_state()
+        if state is not None:
+            run = self.run
+
+            def run_with_job_state():
+                _activate(state)
+                return run()
+
+            self.run = run_with_job_state
         return start(self)
 
-    def bootstrap_inner(self):
-        state = getattr(self, "_wwrun_rng", None)
-        if state is not None:
-            _activate(state)
-        return bootstrap(self)
-
     threading.Thread.start = functools.wraps(start)(thread_start)
-    threading.Thread._bootstrap_inner = functools.wraps(bootstrap)(bootstrap_inner)
 
 
 # -- Python's random and numpy.random -------------------------------------------------
