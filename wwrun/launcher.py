@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wwrun import isolation, libstate
+from wwrun import isolation, libstate, rng
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size
 from wwrun.output import JobOutput, Pump
 
@@ -175,6 +175,7 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
     preflight(config)  # every check that can be made before anything starts
     isolation.install()
     libstate.install()
+    rng.install()
     return _Runner(config, display or make_display(config)).run()
 
 
@@ -462,6 +463,7 @@ class _Runner:
         try:
             isolation.enter(ctx)
             _threads_default_to_non_daemon()
+            rng.enter_job()
             self._prepare_device(job)
             if self.engine is not None:  # may wait until the job fits beside the others
                 self.engine.job_started(job.spec.name, job.spec.priority)
@@ -486,6 +488,7 @@ class _Runner:
                 except (OSError, ValueError):
                     pass
             ctx.stdin.close()
+            rng.leave_job()
             isolation.leave()
             self._release_device(job)
             job.output.release_writers()

@@ -1,0 +1,245 @@
+"""Per-job random state: each job draws from its own torch, `random` and numpy state,
+and seeded scripts run beside others reproduce their solo losses bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from wwrun import rng
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAINING = str(SCRIPTS / "seeded_training.py")
+
+
+def in_job(fn, *args):
+    """Run `fn` in a fresh thread that is a job's main thread; return its result."""
+    result, error = {}, {}
+
+    def main():
+        rng.enter_job()
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            error["exc"] = exc
+        finally:
+            rng.leave_job()
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join()
+    if error:
+        raise error["exc"]
+    return result["value"]
+
+
+def torch_draws(seed):
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(4, 4)
+    return torch.cat([
+        layer.weight.flatten(),
+        torch.randn(3),
+        torch.nn.functional.dropout(torch.ones(6), 0.5),
+        torch.randperm(5).float(),
+        torch.empty((), dtype=torch.int64).random_(0, 1000).float().reshape(1),
+    ])
+
+
+# -- the acceptance test ----------------------------------------------------------------
+
+
+def _solo_losses(tmp_path, seed, variant):
+    out = tmp_path / f"solo-{seed}-{variant}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, TRAINING, str(seed), variant, str(out)], check=True, env=env, timeout=120)
+    return json.loads(out.read_text())["losses"]
+
+
+def test_seeded_scripts_beside_each_other_reproduce_their_solo_losses(tmp_path):
+    runs = [(1, "mlp"), (2, "mlp"), (1, "conv")]
+    command = [sys.executable, "-m", "wwrun", "--quiet", "--log-dir", str(tmp_path / "logs")]
+    for i, (seed, variant) in enumerate(runs):
+        command += ([":"] if i else []) + [TRAINING, str(seed), variant, str(tmp_path / f"together-{i}.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for i, (seed, variant) in enumerate(runs):
+        together = json.loads((tmp_path / f"together-{i}.json").read_text())["losses"]
+        assert together == _solo_losses(tmp_path, seed, variant), (seed, variant)
+
+
+# -- torch ---------------------------------------------------------------------------------
+
+
+def test_a_job_draws_what_the_same_seed_draws_outside_jobs():
+    assert torch.equal(in_job(torch_draws, 5), torch_draws(5))
+
+
+def test_manual_seed_in_one_job_leaves_another_alone():
+    seeded, reseeded = threading.Barrier(2), threading.Barrier(2)
+
+    def first():
+        torch.manual_seed(1)
+        seeded.wait()
+        reseeded.wait()  # the other job has seeded meanwhile
+        return torch.randn(4)
+
+    def second():
+        seeded.wait()
+        torch.manual_seed(2)
+        reseeded.wait()
+        return torch.randn(4)
+
+    results = {}
+    threads = [
+        threading.Thread(target=lambda: results.update(first=in_job(first))),
+        threading.Thread(target=lambda: results.update(second=in_job(second))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(results["first"], torch.randn(4, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(results["second"], torch.randn(4, generator=torch.Generator().manual_seed(2)))
+
+
+def test_jobs_leave_torchs_own_generator_alone():
+    torch.manual_seed(11)
+    before = torch.default_generator.get_state()
+    in_job(torch_draws, 3)
+    assert torch.equal(torch.default_generator.get_state(), before)
+    assert torch.initial_seed() == 11
+
+
+def test_rng_state_round_trip_and_initial_seed_are_per_job():
+    def job():
+        torch.manual_seed(21)
+        state = torch.get_rng_state()
+        first = torch.rand(3)
+        torch.set_rng_state(state)
+        return torch.initial_seed(), torch.equal(first, torch.rand(3))
+
+    assert in_job(job) == (21, True)
+
+
+def test_fork_rng_restores_the_jobs_state():
+    def job():
+        torch.manual_seed(4)
+        with torch.random.fork_rng():
+            torch.manual_seed(99)
+            torch.rand(5)
+        return torch.rand(3)
+
+    assert torch.equal(in_job(job), torch.rand(3, generator=torch.Generator().manual_seed(4)))
+
+
+def test_unseeded_jobs_start_from_different_seeds():
+    assert in_job(torch.initial_seed) != in_job(torch.initial_seed)
+
+
+def test_threads_a_job_starts_draw_from_its_generator():
+    def job():
+        torch.manual_seed(8)
+        drawn = {}
+        worker = threading.Thread(target=lambda: drawn.update(x=torch.rand(2)))
+        worker.start()
+        worker.join()
+        return drawn["x"], torch.rand(2)
+
+    in_worker, after = in_job(job)
+    reference = torch.Generator().manual_seed(8)
+    assert torch.equal(in_worker, torch.rand(2, generator=reference))
+    assert torch.equal(after, torch.rand(2, generator=reference))
+
+
+def test_passing_torchs_default_generator_draws_from_the_jobs():
+    # random_split's default argument is torch.default_generator, bound at import.
+    def job():
+        torch.manual_seed(6)
+        return torch.randperm(8, generator=torch.default_generator)
+
+    assert torch.equal(in_job(job), torch.randperm(8, generator=torch.Generator().manual_seed(6)))
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_draws_inside_a_dispatch_mode_follow_the_job():
+    # Inside __torch_dispatch__ every dispatch key above Python is excluded: the
+    # overloads without a generator must still draw from the job's state.
+    def job():
+        torch.manual_seed(12)
+        with _Passthrough():
+            return torch.cat([torch.rand(3), torch.randint(0, 9, (3,)).float(), torch.randn(2)])
+
+    reference = torch.Generator().manual_seed(12)
+    expected = torch.cat([
+        torch.rand(3, generator=reference),
+        torch.randint(0, 9, (3,), generator=reference).float(),
+        torch.randn(2, generator=reference),
+    ])
+    assert torch.equal(in_job(job), expected)
+
+
+# -- Python's random and numpy ------------------------------------------------------------
+
+
+def test_python_random_and_numpy_are_per_job():
+    def job(seed):
+        random.seed(seed)
+        np.random.seed(seed)
+        return [random.random() for _ in range(3)], np.random.rand(3).tolist(), np.random.permutation(5).tolist()
+
+    random.seed(0)
+    np.random.seed(0)
+    outside = random.getstate(), np.random.get_state()[1].copy()
+    assert in_job(job, 3) == job(3)
+    random.seed(0)
+    np.random.seed(0)
+    in_job(job, 4)
+    assert random.getstate() == outside[0]
+    assert (np.random.get_state()[1] == outside[1]).all()
+
+
+def test_unseeded_python_random_differs_between_jobs():
+    assert in_job(random.random) != in_job(random.random)
+
+
+@pytest.mark.gpu
+def test_cuda_draws_follow_the_job():
+    def job():
+        torch.cuda.manual_seed(3)
+        return torch.rand(4, device="cuda").cpu(), torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+
+    torch.cuda.manual_seed(3)
+    expected = torch.rand(4, device="cuda").cpu(), torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+    torch.cuda.manual_seed(77)
+    got = in_job(job)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_seeding_follows_the_job_when_dynamo_was_imported_first():
+    """torch._dynamo wraps torch.manual_seed; a job's seed must still reach its own
+    generator when dynamo was imported before wwrun (a fresh interpreter)."""
+    code = (
+        "import sys, torch, torch._dynamo\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_rng import in_job\n"
+        "def draw():\n    torch.manual_seed(5)\n    return torch.rand(3)\n"
+        "print(torch.equal(in_job(draw), draw()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"

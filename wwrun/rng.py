@@ -1,0 +1,333 @@
+"""Per-job random state: each job draws from its own generators, as if run alone.
+
+Python, numpy and torch keep their default random state process-wide: a job's
+`torch.manual_seed(1337)` would reseed every job, and the jobs' draws would
+interleave. From `enter_job()` on, the calling thread (a job's main thread) and the
+threads it starts see the job's own state instead:
+
+    state                          job's view                          how
+    -----------------------------  ----------------------------------  ---------------------------------
+    torch's CPU default generator  a `torch.Generator` per job         ops: `csrc/rng` (below); Python
+    torch's CUDA generators        one `torch.Generator` per device      API: patched `torch.manual_seed`,
+                                                                         `seed`, `initial_seed`,
+                                                                         `get/set_rng_state`,
+                                                                         `torch.cuda.default_generators`
+    Python's `random`              a `random.Random()` per job         thread-dispatching module functions
+    numpy's legacy global state    a `numpy.random.RandomState()`      same, for `numpy.random.<fn>`
+
+Ops draw from the job's generator through a C++ extension (`csrc/rng/`, built at
+first use against the installed torch like the allocator): job threads carry a
+dispatch key whose kernel, on every op with a `Generator?` argument, replaces a
+missing (or torch's default) generator with the job's. So dropout, `randn`,
+`randperm`, `torch.nn.init`, DataLoader shuffling and `fork_rng` all follow the
+job's seed, and a seeded script reproduces its solo losses bit for bit beside others.
+
+Fresh state is seeded as under `python`: torch's CPU generator and `random`,
+`numpy.random` from the OS's entropy, CUDA generators with torch's default seed.
+Threads of no job (the launcher) see the process's own state, untouched.
+
+Not covered: ops registered after the first job started, ops that draw without
+taking a generator on devices other than CUDA, `torch.default_generator` used
+directly (`torch.default_generator.manual_seed(...)` reseeds the shared one, though
+passing it to an op draws from the job's), and `numpy.random.mtrand._rand` read
+directly (scikit-learn's `check_random_state(None)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["JobRandomState", "current_state", "enter_job", "install", "leave_job", "source_dir"]
+
+# CUDA kernels that draw from the default generator without taking one (Note
+# [Swapped draws] in csrc/rng/job_generators.cpp); those absent from a torch are skipped.
+SWAPPED_OPS = [
+    "aten::native_dropout",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+]
+_CXX_FLAGS = ["-O3", "-Wall"]
+_TORCH_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
+
+_local = threading.local()
+_install_lock = threading.Lock()
+_installed = False
+_extension = None  # the compiled module, or None when it could not be built
+_originals: dict = {}
+
+
+@dataclass(eq=False)
+class JobRandomState:
+    """One job's generators, shared by all its threads."""
+
+    torch_cpu: object | None = None
+    """The job's `torch.Generator` (None when the extension is unavailable)."""
+    torch_cuda: list = field(default_factory=list)
+    """The job's CUDA generators, by device index."""
+    python: random.Random = field(default_factory=random.Random)
+    numpy: object | None = None
+
+
+def current_state() -> JobRandomState | None:
+    """The calling thread's job state, or None outside jobs."""
+    return getattr(_local, "state", None)
+
+
+def source_dir() -> Path:
+    """`csrc/rng` of a checkout, or its copy installed as package data."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc" / "rng", here.parent / "csrc" / "rng"):
+        if (candidate / "job_generators.cpp").is_file():
+            return candidate
+    raise RuntimeError(f"wwrun rng: C++ sources not found next to {here} (expected csrc/rng)")
+
+
+def enter_job() -> JobRandomState:
+    """Give the calling thread (a job's main thread) fresh random state of its own."""
+    install()
+    state = JobRandomState(numpy=_new_numpy_state())
+    if _extension is not None:
+        import torch
+
+        state.torch_cpu = torch.Generator()
+        state.torch_cpu.seed()  # as torch seeds its default generator at start-up
+        if torch.cuda.is_available():
+            _wrap_cuda_generators()
+            state.torch_cuda = [torch.Generator(device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    _activate(state)
+    return state
+
+
+def leave_job() -> None:
+    """The calling thread draws from the process's state again."""
+    _activate(None)
+
+
+def _activate(state: JobRandomState | None) -> None:
+    _local.state = state
+    if _extension is None:
+        return
+    if state is None:
+        _extension.leave()
+    else:
+        _extension.enter(state.torch_cpu, state.torch_cuda)
+
+
+def install() -> None:
+    """Build the extension and put the per-job views in place (once per process)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _build_extension()
+        _patch_threads()
+        _patch_python_random()
+        _patch_numpy()
+        if _extension is not None:
+            _patch_torch()
+        _installed = True
+
+
+def _build_extension() -> None:
+    global _extension
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name="wwrun_rng",
+            sources=[str(source_dir() / "job_generators.cpp")],
+            extra_cflags=_CXX_FLAGS,
+            verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
+        )
+        module.register_kernels(SWAPPED_OPS)
+        _extension = module
+    except Exception as exc:  # noqa: BLE001 - no compiler, or a torch we cannot build against
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        warnings.warn(
+            f"wwrun: per-job torch generators unavailable ({first_line}); "
+            "jobs share torch's random state (Python's random and numpy's stay per job)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# -- threads ------------------------------------------------------------------------
+
+
+def _patch_threads() -> None:
+    # The state is taken up in `run`, once the thread has started.
+    start = threading.Thread.start
+
+    def thread_start(self):
+        state = current_state()
+        if state is not None:
+            run = self.run
+
+            def run_with_job_state():
+                _activate(state)
+                return run()
+
+            self.run = run_with_job_state
+        return start(self)
+
+    threading.Thread.start = functools.wraps(start)(thread_start)
+
+
+# -- Python's random and numpy.random -------------------------------------------------
+
+
+def _view(module, name: str, own) -> None:
+    """Replace `module.name` by a function that calls the job's `own(state).name`."""
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        state = getattr(_local, "state", None)
+        if state is None:
+            return original(*args, **kwargs)
+        return getattr(own(state), name)(*args, **kwargs)
+
+    setattr(module, name, dispatch)
+
+
+def _patch_python_random() -> None:
+    for name in random.__all__:
+        if callable(getattr(random._inst, name, None)) and not isinstance(getattr(random, name), type):
+            _view(random, name, lambda state: state.python)
+
+
+def _new_numpy_state():
+    numpy = sys.modules.get("numpy")
+    return numpy.random.RandomState() if numpy is not None else None
+
+
+def _patch_numpy() -> None:
+    try:
+        import numpy
+        import numpy.random.mtrand as mtrand
+    except ImportError:
+        return
+    for name in dir(mtrand):
+        if name.startswith("_") or isinstance(getattr(mtrand, name), type):
+            continue
+        if name in ("ranf", "sample"):  # aliases of random_sample, not RandomState methods
+            _alias_view(numpy.random, name, "random_sample")
+            continue
+        if callable(getattr(numpy.random.RandomState, name, None)) and hasattr(numpy.random, name):
+            _view(numpy.random, name, lambda state: state.numpy)
+
+
+def _alias_view(module, name: str, method: str) -> None:
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        state = getattr(_local, "state", None)
+        if state is None:
+            return original(*args, **kwargs)
+        return getattr(state.numpy, method)(*args, **kwargs)
+
+    setattr(module, name, dispatch)
+
+
+# -- torch's Python API ---------------------------------------------------------------
+
+
+def _manual_seed(seed):
+    state = current_state()
+    if state is None:
+        return _originals["manual_seed"](seed)
+    seed = int(seed)
+    for generator in state.torch_cuda:
+        generator.manual_seed(seed)
+    return state.torch_cpu.manual_seed(seed)
+
+
+def _seed():
+    state = current_state()
+    if state is None:
+        return _originals["seed"]()
+    seed = state.torch_cpu.seed()
+    for generator in state.torch_cuda:
+        generator.manual_seed(seed)
+    return seed
+
+
+def _initial_seed():
+    state = current_state()
+    return _originals["initial_seed"]() if state is None else state.torch_cpu.initial_seed()
+
+
+def _get_rng_state():
+    state = current_state()
+    return _originals["get_rng_state"]() if state is None else state.torch_cpu.get_state()
+
+
+def _set_rng_state(new_state):
+    state = current_state()
+    if state is None:
+        return _originals["set_rng_state"](new_state)
+    state.torch_cpu.set_state(new_state)
+
+
+_REPLACEMENTS = {
+    "manual_seed": _manual_seed,
+    "seed": _seed,
+    "initial_seed": _initial_seed,
+    "get_rng_state": _get_rng_state,
+    "set_rng_state": _set_rng_state,
+}
+
+
+def _patch_torch() -> None:
+    import torch
+    import torch.random
+
+    for name in _TORCH_FUNCTIONS:
+        original = getattr(torch.random, name)
+        _originals[name] = original
+        replacement = functools.wraps(original)(_REPLACEMENTS[name])
+        torch.random.__dict__[name] = replacement
+        # `torch.manual_seed` is torch.random's, or dynamo's wrapper of it once
+        # torch._dynamo is imported (it keeps dynamo from tracing into seeding).
+        exported = getattr(torch, name, None)
+        if exported is original or getattr(exported, "__wrapped__", None) is original:
+            setattr(torch, name, replacement)
+    if torch.cuda.is_available():
+        # torch.cuda.manual_seed(_all), seed, get/set_rng_state(_all) and fork_rng
+        # index torch.cuda.default_generators, set when CUDA initializes.
+        torch.cuda._lazy_call(_wrap_cuda_generators)
+
+
+class _JobCudaGenerators(tuple):
+    """`torch.cuda.default_generators`: the calling job's, else the process's."""
+
+    def __getitem__(self, index):
+        state = current_state()
+        if state is not None and state.torch_cuda:
+            return state.torch_cuda[index]
+        return tuple.__getitem__(self, index)
+
+    def __iter__(self):
+        state = current_state()
+        if state is not None and state.torch_cuda:
+            return iter(state.torch_cuda)
+        return tuple.__iter__(self)
+
+
+def _wrap_cuda_generators() -> None:
+    import torch
+
+    shared = torch.cuda.default_generators
+    if shared and not isinstance(shared, _JobCudaGenerators):
+        torch.cuda.default_generators = _JobCudaGenerators(shared)
