@@ -81,6 +81,8 @@ class QuietDisplay:
 
     def stop(self, result) -> None:
         self.err.print(summary_table(result))
+        for line in summary_errors(result):
+            self.err.print(line, markup=False)
         self.err.print(summary_footer(result))
 
 
@@ -155,26 +157,42 @@ class LiveDisplay(QuietDisplay):
         table.add_column("last line", no_wrap=True, overflow="ellipsis", ratio=1)
         for job in self.runner.jobs:
             result = job.result
-            output = job.output
+            state = result.state.value
+            # A job that has not started holds nothing: no memory figure, and a word
+            # on what it waits for until it has a line of its own.
+            started = state not in _NOT_STARTED
+            last_line = job.output.last_line if job.output else ""
             table.add_row(
                 result.name,
-                Text(result.state.value, style=_STYLE[result.state.value]),
+                Text(state, style=_STYLE[state]),
                 _elapsed(result.wall_s),
-                format_size(self.runner.memory_of(result.name)),
-                Text(output.last_line if output else "", style="dim"),
+                format_size(self.runner.memory_of(result.name)) if started else "-",
+                Text(last_line or _WAITING_FOR.get(state, ""), style="dim"),
             )
         return table
 
 
+_NOT_STARTED = ("pending", "queued")
+_WAITING_FOR = {
+    "pending": "not started yet",
+    "queued": "waiting for a slot or for memory to start",
+    "waiting": "waiting for memory for its next NodeGroup",
+}
+
+
 def summary_table(result) -> Table:
+    """One line per job, whatever the width: a long error is cut short here and
+    given in full below the table (`summary_errors`)."""
     table = Table(title=f"wwrun run {result.run_id}", title_justify="left")
     table.add_column("job", no_wrap=True)
     table.add_column("state", no_wrap=True)
-    table.add_column("exit", justify="right")
-    table.add_column("time", justify="right")
+    table.add_column("exit", justify="right", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
     for key in _extra_columns(result):
-        table.add_column(_EXTRA_COLUMNS[key], justify="right")
-    table.add_column("error", overflow="fold")
+        table.add_column(_EXTRA_COLUMNS[key], justify="right", no_wrap=True)
+    # Wrappable for rich's layout (it narrows this column first), but each cell is
+    # one line cut with an ellipsis.
+    table.add_column("error")
     for job in result.jobs:
         extras = [_cell(job.extra.get(key)) for key in _extra_columns(result)]
         table.add_row(
@@ -183,9 +201,23 @@ def summary_table(result) -> Table:
             "-" if job.exit_code is None else str(job.exit_code),
             _elapsed(job.wall_s),
             *extras,
-            job.error or "",
+            Text(short_error(job.error), no_wrap=True, overflow="ellipsis"),
         )
     return table
+
+
+def short_error(error: str | None) -> str:
+    """The error's first line, marked when there is more (the summary's error column)."""
+    if not error:
+        return ""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[0] + (" …" if len(lines) > 1 else "")
+
+
+def summary_errors(result) -> list[str]:
+    """`name: full error` for each job that has one, below the summary table (later
+    lines of an error indented under the first)."""
+    return [f"{job.name}: " + job.error.strip().replace("\n", "\n  ") for job in result.jobs if job.error]
 
 
 def summary_footer(result) -> str:
