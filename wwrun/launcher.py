@@ -309,7 +309,7 @@ class _Runner:
             self.engine.write_trace(self.config.trace)
         if self.config.memory_plot:
             try:
-                self.engine.write_memory_plot(self.config.memory_plot)
+                self.engine.write_memory_plot(self.config.memory_plot, run_id=self.config.run_id)
             except (ImportError, RuntimeError) as err:
                 self.display.note(f"no memory plot: {err}")
 
