@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from wwrun.display import LiveDisplay, QuietDisplay, short_error, summary_errors
+from wwrun.display import LiveDisplay, QuietDisplay, _print_rich_summary, short_error, summary_errors, summary_lines
 from wwrun.launcher import JobResult, JobState, RunResult
 
 TOO_LARGE = (
@@ -35,15 +35,45 @@ def _console(width: int) -> tuple[Console, io.StringIO]:
     return Console(file=text, width=width, highlight=False, soft_wrap=True), text
 
 
-def test_summary_keeps_one_line_per_job_and_gives_full_errors_below():
-    result = _run(
-        _job("mlp", JobState.SUCCEEDED, 0, peak_memory_bytes=300_000, wait_s=0.0),
-        _job("cnn", JobState.FAILED, 1, TOO_LARGE, peak_memory_bytes=3_000_000, wait_s=1.6),
-        _job("multi", JobState.FAILED, 1, "ValueError: bad value\nsecond line of it"),
-    )
+FAILED_RUN = _run(
+    _job("mlp", JobState.SUCCEEDED, 0, peak_memory_bytes=300_000, wait_s=0.0),
+    _job("cnn", JobState.FAILED, 1, TOO_LARGE, peak_memory_bytes=3_000_000, wait_s=1.6),
+    _job("multi", JobState.FAILED, 1, "ValueError: bad value\nsecond line of it"),
+)
+
+
+def _check_errors_below(below: list[str]) -> None:
+    assert below[0] == f"cnn: {TOO_LARGE}"
+    assert below[1:3] == ["multi: ValueError: bad value", "  second line of it"]
+    assert below[3:] == ["3 job(s) in 3.0s, logs in /tmp/wwrun_logs/x", "root cause: cnn (exit code 1)"]
+
+
+def test_plain_summary_keeps_one_line_per_job_and_gives_full_errors_below():
+    for width in (60, 100, 200):
+        lines = summary_lines(FAILED_RUN, width)
+        assert lines[0] == "wwrun run 20260101-000000-abcd"
+        assert lines[1].split() == ["job", "state", "exit", "time", "peak", "memory", "waited", "(s)", "error"]
+        rows = lines[2:5]
+        assert [row.split()[:3] for row in rows] == [["mlp", "succeeded", "0"], ["cnn", "failed", "1"],
+                                                     ["multi", "failed", "1"]]
+        assert all(len(line) <= max(width, 80) for line in lines[:5])
+        assert rows[1].rstrip().endswith("…") and "JobTooLarge: job" in rows[1]
+        assert "ValueError: bad" in rows[2] and (width < 100 or rows[2].endswith("ValueError: bad value …"))
+        _check_errors_below(lines[5:])
+
+
+def test_quiet_display_writes_the_plain_summary_off_a_terminal():
+    text = io.StringIO()
+    QuietDisplay(text).stop(FAILED_RUN)
+    lines = text.getvalue().splitlines()
+    assert lines[0] == "wwrun run 20260101-000000-abcd" and "│" not in text.getvalue()
+    assert len(lines) == 5 + 5  # title, header, three jobs; three error lines, two of totals
+
+
+def test_rich_summary_keeps_one_line_per_job_and_gives_full_errors_below():
     for width in (80, 120, 200):
         console, text = _console(width)
-        QuietDisplay(console).stop(result)
+        _print_rich_summary(console, FAILED_RUN)
         lines = text.getvalue().splitlines()
         rows = [line for line in lines if line.startswith("│")]
         assert [row.split("│")[1].strip() for row in rows] == ["mlp", "cnn", "multi"]  # nothing wraps
@@ -51,11 +81,7 @@ def test_summary_keeps_one_line_per_job_and_gives_full_errors_below():
         cnn_row = next(row for row in rows if "cnn" in row)
         assert "JobTooLarge: " in cnn_row and "…" in cnn_row
         table_end = next(i for i, line in enumerate(lines) if line.startswith("└"))
-        below = lines[table_end + 1:]
-        assert f"cnn: {TOO_LARGE}" in below
-        assert below[below.index("multi: ValueError: bad value") + 1] == "  second line of it"
-        assert "mlp:" not in "\n".join(below)
-        assert below[-1] == "root cause: cnn (exit code 1)"
+        _check_errors_below(lines[table_end + 1:])
 
 
 def test_short_error_is_the_first_line_marked_when_more_follows():
@@ -75,7 +101,7 @@ def test_summary_errors_cover_every_job_with_an_error():
 
 def _live_table(jobs: list[JobResult], memory: dict[str, int], last_lines: dict[str, str]) -> str:
     console, text = _console(120)
-    display = LiveDisplay(console, console, tee=False)
+    display = LiveDisplay(io.StringIO(), io.StringIO(), tee=False)
     display.runner = SimpleNamespace(
         jobs=[SimpleNamespace(result=j, output=SimpleNamespace(last_line=last_lines.get(j.name, "")))
               for j in jobs],
