@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 from rich.console import Console
@@ -128,3 +131,24 @@ def test_live_table_shows_queued_and_waiting_jobs_as_such():
     # Waiting for memory mid-run: its held memory and its own last line.
     assert rows["waits"][1] == "waiting" and "1.0MiB" in rows["waits"] and "step 3" in " ".join(rows["waits"])
     assert "0B" not in text
+
+
+def test_plain_lines_survive_a_stream_that_cannot_encode_them():
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    QuietDisplay(stream).note("café … done")
+    stream.flush()
+    assert raw.getvalue() == b"[wwrun] caf? ? done\n"
+
+
+def test_a_run_off_a_terminal_loads_no_more_than_it_needs(tmp_path):
+    # Every module loaded costs each run's start-up (benchmarks/launcher_overhead.py);
+    # the job runs in wwrun's process, so it sees what wwrun loaded.
+    job = tmp_path / "modules.py"
+    job.write_text("import sys\n"
+                   "print(sorted(m for m in ('rich', 'psutil', 'matplotlib', 'wwrun.engine') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), str(job)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "[modules] []" in done.stdout.splitlines()
+    assert re.search(r"^job +state +exit +time +error$", done.stderr, re.M)  # the plain summary

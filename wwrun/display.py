@@ -67,7 +67,11 @@ class _Lines:
         if self.gone:
             return
         try:
-            self.stream.write(text + "\n")
+            try:
+                self.stream.write(text + "\n")
+            except UnicodeEncodeError:  # a stream that cannot take every character (LANG=C)
+                encoding = getattr(self.stream, "encoding", None) or "ascii"
+                self.stream.write(text.encode(encoding, "replace").decode(encoding) + "\n")
             self.stream.flush()
         except BrokenPipeError:
             self.gone = True
