@@ -5,6 +5,8 @@
 (2) four copies of the job: `wwrun --policy concurrent` against the same four run one
     after another with `python` (on a CPU the four share the cores: this shows what
     threads of one process cost or gain against processes in sequence).
+(3) start-up: a job that only imports torch, under `wwrun` and `python`: wwrun's fixed
+    cost per run (its imports and set-up), which (1) divides by the job's length.
 
 Medians of --repeats runs (at least 5), runs of the variants interleaved so drifts in
 machine load hit them alike. Every process and job uses --threads intra-op threads
@@ -55,23 +57,34 @@ def main() -> None:
         many += ([":"] if i else []) + [args.script, *args.script_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env_note = f"{os.cpu_count()} cpus, {args.threads} thread(s) per job"
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
 
-    times: dict[str, list[float]] = {k: [] for k in ("python", "wwrun", "sequential", "concurrent")}
+    import_only = Path(logs) / "import_torch.py"
+    import_only.write_text("import torch\n")
+
+    times: dict[str, list[float]] = {
+        k: [] for k in ("python", "wwrun", "sequential", "concurrent", "python_start", "wwrun_start")
+    }
     timed(python, env)  # warm the file cache
     for _ in range(args.repeats):
         times["python"].append(timed(python, env))
         times["wwrun"].append(timed([*wwrun, args.script, *args.script_args], env))
         times["sequential"].append(sum(timed(python, env) for _ in range(args.jobs)))
         times["concurrent"].append(timed([*wwrun, "--policy", "concurrent", *many], env))
+        times["python_start"].append(timed([sys.executable, str(import_only)], env))
+        times["wwrun_start"].append(timed([*wwrun, str(import_only)], env))
 
     med = {k: statistics.median(v) for k, v in times.items()}
     overhead = med["wwrun"] / med["python"] - 1
     speedup = med["sequential"] / med["concurrent"]
+    start_cost = med["wwrun_start"] - med["python_start"]
     print(f"machine: {env_note}; script: {Path(args.script).name} {' '.join(args.script_args)}; "
           f"medians of {args.repeats}")
     print(f"  one job   python {med['python']:.2f}s   wwrun {med['wwrun']:.2f}s   overhead {overhead:+.1%} (target <= 3%)")
     print(f"  {args.jobs} jobs    one after another {med['sequential']:.2f}s   wwrun concurrent "
           f"{med['concurrent']:.2f}s   speed-up {speedup:.2f}x")
+    print(f"  start-up  python {med['python_start']:.2f}s   wwrun {med['wwrun_start']:.2f}s   "
+          f"wwrun's fixed cost {start_cost:+.3f}s (a job that only imports torch)")
     import torch
 
     print(json.dumps({
@@ -86,6 +99,8 @@ def main() -> None:
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "single_job_overhead": round(overhead, 4),
         "concurrent_vs_sequential_speedup": round(speedup, 3),
+        "startup_cost_s": round(start_cost, 4),
+        "load_average_at_start": round(load, 2),
     }))
 
 
