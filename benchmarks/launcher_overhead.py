@@ -5,6 +5,9 @@
 (2) four copies of the job: `wwrun --policy concurrent` against the same four run one
     after another with `python` (on a CPU the four share the cores: this shows what
     threads of one process cost or gain against processes in sequence).
+(3) start-up: a job that only imports torch, under `wwrun` and `python`, in CPU
+    seconds: wwrun's fixed cost per run (its imports and set-up), which (1) divides
+    by the job's length; CPU time, as a busy machine's wall time hides 0.1 s.
 
 Medians of --repeats runs (at least 5), runs of the variants interleaved so drifts in
 machine load hit them alike. Every process and job uses --threads intra-op threads
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +38,15 @@ def timed(argv: list[str], env: dict) -> float:
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
+
+
+def cpu_timed(argv: list[str], env: dict) -> float:
+    """CPU seconds (user + system) the command used: unlike wall time, barely moved
+    by other work on a shared machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 def main() -> None:
@@ -55,23 +68,34 @@ def main() -> None:
         many += ([":"] if i else []) + [args.script, *args.script_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env_note = f"{os.cpu_count()} cpus, {args.threads} thread(s) per job"
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
 
-    times: dict[str, list[float]] = {k: [] for k in ("python", "wwrun", "sequential", "concurrent")}
+    import_only = Path(logs) / "import_torch.py"
+    import_only.write_text("import torch\n")
+
+    times: dict[str, list[float]] = {
+        k: [] for k in ("python", "wwrun", "sequential", "concurrent", "python_start_cpu", "wwrun_start_cpu")
+    }
     timed(python, env)  # warm the file cache
     for _ in range(args.repeats):
         times["python"].append(timed(python, env))
         times["wwrun"].append(timed([*wwrun, args.script, *args.script_args], env))
         times["sequential"].append(sum(timed(python, env) for _ in range(args.jobs)))
         times["concurrent"].append(timed([*wwrun, "--policy", "concurrent", *many], env))
+        times["python_start_cpu"].append(cpu_timed([sys.executable, str(import_only)], env))
+        times["wwrun_start_cpu"].append(cpu_timed([*wwrun, str(import_only)], env))
 
     med = {k: statistics.median(v) for k, v in times.items()}
     overhead = med["wwrun"] / med["python"] - 1
     speedup = med["sequential"] / med["concurrent"]
+    start_cost = med["wwrun_start_cpu"] - med["python_start_cpu"]
     print(f"machine: {env_note}; script: {Path(args.script).name} {' '.join(args.script_args)}; "
           f"medians of {args.repeats}")
     print(f"  one job   python {med['python']:.2f}s   wwrun {med['wwrun']:.2f}s   overhead {overhead:+.1%} (target <= 3%)")
     print(f"  {args.jobs} jobs    one after another {med['sequential']:.2f}s   wwrun concurrent "
           f"{med['concurrent']:.2f}s   speed-up {speedup:.2f}x")
+    print(f"  start-up  python {med['python_start_cpu']:.2f}s   wwrun {med['wwrun_start_cpu']:.2f}s   "
+          f"wwrun's fixed cost {start_cost:+.3f}s (CPU time; a job that only imports torch)")
     import torch
 
     print(json.dumps({
@@ -86,6 +110,8 @@ def main() -> None:
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "single_job_overhead": round(overhead, 4),
         "concurrent_vs_sequential_speedup": round(speedup, 3),
+        "startup_cpu_cost_s": round(start_cost, 4),
+        "load_average_at_start": round(load, 2),
     }))
 
 

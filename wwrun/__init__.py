@@ -11,8 +11,6 @@ DNN Training", IEEE Transactions on Computers 72(10), 2023).
 __version__ = "0.1.0"
 
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, parse_size  # noqa: E402
-from wwrun.launcher import JobResult, JobState, RunResult, launch  # noqa: E402
-from wwrun.recipe import dump_recipe, load_recipe  # noqa: E402
 
 __all__ = [
     "ConfigError",
@@ -31,10 +29,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    # The engine imports torch: load it only when asked, so `wwrun --help` stays instant.
-    if name in ("Engine", "JobTooLarge"):
-        from wwrun import engine
+_LAZY = {
+    "Engine": "engine", "JobTooLarge": "engine",
+    "JobResult": "launcher", "JobState": "launcher", "RunResult": "launcher", "launch": "launcher",
+    "dump_recipe": "recipe", "load_recipe": "recipe",
+}
 
-        return getattr(engine, name)
+
+def __getattr__(name):
+    # Loaded when asked: the engine imports torch, recipes need yaml, and every run
+    # pays for what `import wwrun` loads (benchmarks/launcher_overhead.py).
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"wwrun.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'wwrun' has no attribute {name!r}")

@@ -204,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["show"] and not os.path.isfile("show"):
         return _show(argv[1:])
     from wwrun.launcher import EXIT_INTERRUPTED, launch
-    from wwrun.recipe import dump_recipe
 
     args = parse_args(argv)
     try:
         config = config_from_args(args)
         preflight(config)
         if args.dry_run:
+            from wwrun.recipe import dump_recipe
+
             sys.stdout.write(dump_recipe(config))
             return 0
         result = launch(config)

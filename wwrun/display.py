@@ -2,8 +2,13 @@
 
 - On a terminal: a live table (rich), one row per job: state, elapsed time, memory
   when known, the job's last output line. `--tee` also prints every line above it.
-- Not on a terminal (CI logs, pipes): plain `[name] line` lines, nothing redrawn.
+- Not on a terminal (CI logs, pipes): plain `[name] line` lines, nothing redrawn,
+  and a plain-text summary; rich is not even imported (it would cost every run's
+  start-up about 50 ms: benchmarks/launcher_overhead.py).
 - `--quiet`: the summary only.
+
+The summary keeps one line per job, whatever the width; the full error of each job
+that has one follows it (`name: error`).
 
 Job stdout lines go to stdout and job stderr lines to stderr; the launcher's own notes
 and the summary go to stderr, so `--events -` leaves stdout to the event stream
@@ -12,14 +17,10 @@ and the summary go to stderr, so `--events -` leaves stdout to the event stream
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
-
-from rich.console import Console
-from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 
 from wwrun import isolation
 from wwrun.config import LaunchConfig, format_size
@@ -36,30 +37,55 @@ _STYLE = {
 }
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        # The reader went away (`wwrun ... | head`): rich would raise SystemExit; the
-        # jobs go on, their logs keep everything, and this console falls silent.
-        self.quiet = True
-
-
 def make_display(config: LaunchConfig):
-    out = _Console(file=isolation.original_stdout(), highlight=False, soft_wrap=True)
-    err = _Console(file=isolation.original_stderr(), highlight=False, soft_wrap=True)
+    out, err = isolation.original_stdout(), isolation.original_stderr()
     if config.events == "-":
         out = err
     if config.quiet:
         return QuietDisplay(err)
-    if err.is_terminal:
+    if _is_terminal(err):
         return LiveDisplay(out, err, tee=config.tee)
     return PlainDisplay(out, err)
 
 
-class QuietDisplay:
-    """The summary only."""
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
 
-    def __init__(self, err: Console):
-        self.err = err
+
+class _Lines:
+    """Whole lines written to one stream, at once; silent once its reader went away
+    (`wwrun ... | head`): the jobs go on and their logs keep everything."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> None:
+        if self.gone:
+            return
+        try:
+            try:
+                self.stream.write(text + "\n")
+            except UnicodeEncodeError:  # a stream that cannot take every character (LANG=C)
+                encoding = getattr(self.stream, "encoding", None) or "ascii"
+                self.stream.write(text.encode(encoding, "replace").decode(encoding) + "\n")
+            self.stream.flush()
+        except BrokenPipeError:
+            self.gone = True
+            try:  # what is still buffered goes nowhere, not into an error at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            except (OSError, ValueError):
+                pass
+
+
+class QuietDisplay:
+    """The summary only: plain text, or a rich table on a terminal."""
+
+    def __init__(self, err):
+        self.err = _Lines(err)
         self.runner = None
 
     def start(self, runner) -> None:
@@ -74,32 +100,36 @@ class QuietDisplay:
     def note(self, text: str, important: bool = True) -> None:
         """A line from the launcher; only `important` ones with --quiet."""
         if important:
-            self.err.print(f"[wwrun] {text}", markup=False)
+            self.err.write(f"[wwrun] {text}")
 
     def explain(self, text: str) -> None:
-        self.err.print(text, markup=False)
+        self.err.write(text)
 
     def stop(self, result) -> None:
-        self.err.print(summary_table(result))
-        self.err.print(summary_footer(result))
+        if _is_terminal(self.err.stream):
+            _print_rich_summary(_console(self.err.stream), result)
+            return
+        for line in summary_lines(result, shutil.get_terminal_size((100, 24)).columns):
+            self.err.write(line)
 
 
 class PlainDisplay(QuietDisplay):
     """Prefixed lines as they come; a line per job state change."""
 
-    def __init__(self, out: Console, err: Console):
+    def __init__(self, out, err):
         super().__init__(err)
-        self.out = out
+        self.out = self.err if out is err else _Lines(out)
         self._lock = threading.Lock()
         self._shown: dict[str, str] = {}
 
     def note(self, text: str, important: bool = True) -> None:
-        self.err.print(f"[wwrun] {text}", markup=False)
+        with self._lock:
+            self.err.write(f"[wwrun] {text}")
 
     def line(self, job: str, stream: str, text: str) -> None:
-        console = self.out if stream == "stdout" else self.err
+        lines = self.out if stream == "stdout" else self.err
         with self._lock:
-            console.print(f"[{job}] {text}", markup=False)
+            lines.write(f"[{job}] {text}")
 
     def state(self, result) -> None:
         # Waits for memory come and go with every NodeGroup: the live table and the
@@ -109,28 +139,32 @@ class PlainDisplay(QuietDisplay):
         self._shown[result.name] = result.state.value
         detail = f" (exit {result.exit_code}, {result.wall_s:.1f}s)" if result.state.is_final and result.wall_s else ""
         with self._lock:
-            self.err.print(f"[wwrun] {result.name}: {result.state.value}{detail}", markup=False)
+            self.err.write(f"[wwrun] {result.name}: {result.state.value}{detail}")
 
 
 class LiveDisplay(QuietDisplay):
     """A live table redrawn in place; lines above it with --tee."""
 
-    def __init__(self, out: Console, err: Console, tee: bool):
+    def __init__(self, out, err, tee: bool):
         super().__init__(err)
-        self.out = out
+        self.console = _console(err)
         self.tee = tee
-        self._live: Live | None = None
+        self._live = None
 
     def start(self, runner) -> None:
+        from rich.live import Live
+
         self.runner = runner
         # Never redirect sys.stdout/err: they are the per-job views (wwrun.isolation).
         self._live = Live(
-            get_renderable=self._table, console=self.err, refresh_per_second=4, transient=True,
+            get_renderable=self._table, console=self.console, refresh_per_second=4, transient=True,
             redirect_stdout=False, redirect_stderr=False,
         )
         self._live.start()
 
     def line(self, job: str, stream: str, text: str) -> None:
+        from rich.text import Text
+
         if self.tee and self._live is not None:
             self._live.console.print(Text.assemble((f"[{job}] ", "bold"), text))
 
@@ -138,15 +172,20 @@ class LiveDisplay(QuietDisplay):
         pass
 
     def note(self, text: str, important: bool = True) -> None:
-        target = self._live.console if self._live else self.err
-        target.print(f"[wwrun] {text}", markup=False)
+        self.console.print(f"[wwrun] {text}", markup=False)
+
+    def explain(self, text: str) -> None:
+        self.console.print(text, markup=False)
 
     def stop(self, result) -> None:
         if self._live is not None:
             self._live.stop()
-        super().stop(result)
+        _print_rich_summary(self.console, result)
 
-    def _table(self) -> Table:
+    def _table(self):
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(box=None, pad_edge=False, expand=True)
         table.add_column("job", no_wrap=True, style="bold")
         table.add_column("state", no_wrap=True)
@@ -155,51 +194,135 @@ class LiveDisplay(QuietDisplay):
         table.add_column("last line", no_wrap=True, overflow="ellipsis", ratio=1)
         for job in self.runner.jobs:
             result = job.result
-            output = job.output
+            state = result.state.value
+            # A job that has not started holds nothing: no memory figure, and a word
+            # on what it waits for until it has a line of its own.
+            started = state not in _NOT_STARTED
+            last_line = job.output.last_line if job.output else ""
             table.add_row(
                 result.name,
-                Text(result.state.value, style=_STYLE[result.state.value]),
+                Text(state, style=_STYLE[state]),
                 _elapsed(result.wall_s),
-                format_size(self.runner.memory_of(result.name)),
-                Text(output.last_line if output else "", style="dim"),
+                format_size(self.runner.memory_of(result.name)) if started else "-",
+                Text(last_line or _WAITING_FOR.get(state, ""), style="dim"),
             )
         return table
 
 
-def summary_table(result) -> Table:
-    table = Table(title=f"wwrun run {result.run_id}", title_justify="left")
-    table.add_column("job", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    table.add_column("exit", justify="right")
-    table.add_column("time", justify="right")
-    for key in _extra_columns(result):
-        table.add_column(_EXTRA_COLUMNS[key], justify="right")
-    table.add_column("error", overflow="fold")
-    for job in result.jobs:
-        extras = [_cell(job.extra.get(key)) for key in _extra_columns(result)]
-        table.add_row(
+_NOT_STARTED = ("pending", "queued")
+_WAITING_FOR = {
+    "pending": "not started yet",
+    "queued": "waiting for a slot or for memory to start",
+    "waiting": "waiting for memory for its next NodeGroup",
+}
+
+
+def _console(stream):
+    """A rich console on `stream` that falls silent when its reader goes away."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would raise SystemExit; the jobs go on, their logs keep everything.
+            self.quiet = True
+
+    return _Console(file=stream, highlight=False, soft_wrap=True)
+
+
+# -- the summary: one set of cells, drawn as plain text or as a rich table ---------------
+
+def _summary_cells(result) -> tuple[list[str], list[list[str]]]:
+    """The columns' headers and each job's cells; the error cell is its short form."""
+    extra = [key for key in _EXTRA_COLUMNS if any(key in job.extra for job in result.jobs)]
+    headers = ["job", "state", "exit", "time", *(_EXTRA_COLUMNS[key] for key in extra), "error"]
+    rows = [
+        [
             job.name,
-            Text(job.state.value, style=_STYLE[job.state.value]),
+            job.state.value,
             "-" if job.exit_code is None else str(job.exit_code),
             _elapsed(job.wall_s),
-            *extras,
-            job.error or "",
-        )
+            *(_cell(job.extra.get(key)) for key in extra),
+            short_error(job.error),
+        ]
+        for job in result.jobs
+    ]
+    return headers, rows
+
+
+_LEFT = {"job", "state", "error"}  # the other columns are figures, right-aligned
+
+
+def summary_lines(result, width: int = 100) -> list[str]:
+    """The summary as plain text: one line per job whatever `width` (the error cut
+    with an ellipsis to fit), then each job's full error, then the totals."""
+    headers, rows = _summary_cells(result)
+    sizes = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    room = max(20, width - sum(sizes[:-1]) - 2 * (len(sizes) - 1))
+    lines = [f"wwrun run {result.run_id}"]
+    for cells in [headers, *rows]:
+        cells = [*cells[:-1], _cut(cells[-1], room)]
+        padded = [cell.ljust(size) if header in _LEFT else cell.rjust(size)
+                  for header, cell, size in zip(headers, cells, sizes)]
+        lines.append("  ".join(padded).rstrip())
+    return lines + summary_errors(result) + summary_footer(result).splitlines()
+
+
+def summary_table(result):
+    """The summary as a rich table (terminals): one line per job, whatever the width."""
+    from rich.table import Table
+    from rich.text import Text
+
+    headers, rows = _summary_cells(result)
+    table = Table(title=f"wwrun run {result.run_id}", title_justify="left")
+    for header in headers[:-1]:
+        table.add_column(header, no_wrap=True, justify="left" if header in _LEFT else "right")
+    # Wrappable for rich's layout (it narrows this column first), but each cell is
+    # one line cut with an ellipsis.
+    table.add_column(headers[-1])
+    for cells in rows:
+        state = cells[1]
+        table.add_row(cells[0], Text(state, style=_STYLE[state]), *cells[2:-1],
+                      Text(cells[-1], no_wrap=True, overflow="ellipsis"))
     return table
+
+
+def _print_rich_summary(console, result) -> None:
+    console.print(summary_table(result))
+    for line in [*summary_errors(result), *summary_footer(result).splitlines()]:
+        console.print(line, markup=False)
+
+
+def short_error(error: str | None) -> str:
+    """The error's first line, marked when there is more (the summary's error column)."""
+    if not error:
+        return ""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[0] + (" …" if len(lines) > 1 else "")
+
+
+def summary_errors(result) -> list[str]:
+    """The lines below the summary table: `name: full error` for each job that has
+    one, later lines of an error indented under the first."""
+    lines = []
+    for job in result.jobs:
+        if job.error:
+            first, *rest = job.error.strip().splitlines()
+            lines += [f"{job.name}: {first}", *(f"  {line}" for line in rest)]
+    return lines
 
 
 def summary_footer(result) -> str:
     line = f"{len(result.jobs)} job(s) in {result.wall_s:.1f}s, logs in {result.log_dir}"
     if result.root_cause:
         line += f"\nroot cause: {result.root_cause} (exit code {result.exit_code})"
-    return escape(line)
+    return line
 
 
 _EXTRA_COLUMNS = {"peak_memory_bytes": "peak memory", "wait_s": "waited (s)"}
 
 
-def _extra_columns(result) -> list[str]:
-    return [key for key in _EXTRA_COLUMNS if any(key in job.extra for job in result.jobs)]
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _cell(value) -> str:

@@ -286,8 +286,8 @@ class Engine:
     def write_trace(self, path: str) -> None:
         self.timeline.write_trace(path, self.capacity)
 
-    def write_memory_plot(self, path: str) -> None:
-        self.timeline.write_memory_plot(path, self.capacity)
+    def write_memory_plot(self, path: str, run_id: str | None = None) -> None:
+        self.timeline.write_memory_plot(path, self.capacity, run_id=run_id, device=self.device)
 
     def explain(self) -> str:
         lines = []

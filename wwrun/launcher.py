@@ -310,7 +310,7 @@ class _Runner:
             self.engine.write_trace(self.config.trace)
         if self.config.memory_plot:
             try:
-                self.engine.write_memory_plot(self.config.memory_plot)
+                self.engine.write_memory_plot(self.config.memory_plot, run_id=self.config.run_id)
             except (ImportError, RuntimeError) as err:
                 self.display.note(f"no memory plot: {err}")
 
@@ -831,6 +831,8 @@ class _Runner:
 
     def _end_children(self) -> None:
         """End the processes the jobs started (DataLoader workers, spawned children)."""
+        if not _child_pids() - self._children_before:
+            return  # none (and psutil stays unloaded)
         import psutil
 
         try:
@@ -895,12 +897,36 @@ def _become_subreaper() -> Callable[[], None]:
 
 
 def _child_pids() -> set[int]:
+    """The pids of this process's descendants: from /proc on Linux, as importing
+    psutil would cost every run ~25 ms (benchmarks/launcher_overhead.py)."""
+    try:
+        return _proc_descendants(os.getpid())
+    except OSError:  # not Linux, or a kernel without /proc/<pid>/task/<tid>/children
+        pass
     import psutil
 
     try:
         return {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
         return set()
+
+
+def _proc_descendants(root: int) -> set[int]:
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children = {int(child) for child in f.read().split()} - found
+                found |= children
+                todo += children
+        except OSError:
+            if pid == root:
+                raise
+            # a descendant that ended meanwhile
+    return found
 
 
 def _run_code(spec: JobSpec, ctx: isolation.JobContext) -> None:

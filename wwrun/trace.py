@@ -73,31 +73,125 @@ class Timeline:
             result.append((t, job, sum(current.values())))
         return result
 
-    def write_memory_plot(self, path: str, limit: int | None) -> None:
-        try:
-            import matplotlib
+    def write_memory_plot(self, path: str, limit: int | None, *, run_id: str | None = None,
+                          device: str | None = None) -> None:
+        """A PNG readable at a glance: on top every job's memory stacked under the
+        limit (the total is what the limit bounds); below, one row per job on its
+        own scale, so that a small job stays visible beside a large one, with its
+        waits for memory shaded."""
+        plt = _pyplot()
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
+        from matplotlib.transforms import blended_transform_factory
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise RuntimeError(
-                "--memory-plot needs matplotlib: pip install 'wwrun[plot]' (or matplotlib)"
-            ) from None
-        jobs = list(dict.fromkeys(job for _, job, _ in self.samples))
-        times, current, rows = [], dict.fromkeys(jobs, 0), []
+        jobs = list(self.tracks) or list(dict.fromkeys(job for _, job, _ in self.samples))
+        jobs += [job for job in dict.fromkeys(job for _, job, _ in self.samples) if job not in jobs]
+        peak_total = max((total for _, _, total in self.totals()), default=0)
+        scale, unit = _unit(max(peak_total, limit or 0))
+        end = max([t for t, _, _ in self.samples] + [self._end_of(e) for e in self.events] + [1e-3])
+        colors = plt.get_cmap("tab10" if len(jobs) <= 10 else "tab20").colors
+        color = {job: colors[i % len(colors)] for i, job in enumerate(jobs)}
+
+        fig, axes = plt.subplots(
+            1 + len(jobs), 1, sharex=True, squeeze=False, layout="constrained",
+            figsize=(11, 3.6 + 0.75 * len(jobs)), gridspec_kw={"height_ratios": [4] + [1] * len(jobs)},
+        )
+        top, rows = axes[0][0], [row[0] for row in axes[1:]]
+        title = " · ".join(filter(None, [
+            f"wwrun run {run_id}" if run_id else "wwrun memory", device,
+            f"limit {_size(limit, scale, unit)}" if limit is not None else "no memory limit",
+            f"peak total {_size(peak_total, scale, unit)}",
+        ]))
+        fig.suptitle(title, fontsize=12)
+
+        # All jobs stacked: the height is the total the limit bounds.
+        times, current, columns = [0.0], dict.fromkeys(jobs, 0), [[0.0] for _ in jobs]
         for t, job, nbytes in self.samples:
             current[job] = nbytes
             times.append(t)
-            rows.append([current[j] / 2**20 for j in jobs])
-        fig, ax = plt.subplots(figsize=(10, 4))
-        if rows:
-            columns = list(zip(*rows))
-            ax.stackplot(times, *columns, labels=jobs, step="post")
+            for column, name in zip(columns, jobs):
+                column.append(current[name] / scale)
+        times.append(end)
+        for column in columns:
+            column.append(column[-1])
+        if jobs:
+            top.stackplot(times, *columns, labels=jobs, colors=[color[j] for j in jobs], step="post", alpha=0.85)
+        handles, labels = top.get_legend_handles_labels()
         if limit is not None:
-            ax.axhline(limit / 2**20, color="red", linestyle="--", label="limit")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("memory (MiB)")
-        ax.legend(loc="upper right")
-        fig.tight_layout()
-        fig.savefig(path)
+            top.axhline(limit / scale, color="red", linestyle="--", linewidth=1.5)
+            # Labelled on the line itself: no legend can hide it.
+            top.text(0.995, limit / scale, f"limit {_size(limit, scale, unit)}", color="red", ha="right",
+                     va="bottom", transform=blended_transform_factory(top.transAxes, top.transData))
+        top.set_ylim(0, max(peak_total, limit or 0, 1) / scale * 1.12)
+        top.set_ylabel(f"all jobs, stacked ({unit})")
+        top.grid(axis="y", alpha=0.3)
+        waits = self._waits()
+        if any(waits.values()):
+            handles.append(Patch(color="0.85"))
+            labels.append("queued or waiting\nfor memory")
+        if handles:
+            top.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+        # One row per job, on its own scale, over the whole run.
+        for ax, job in zip(rows, jobs):
+            points = [(t, nbytes / scale) for t, name, nbytes in self.samples if name == job]
+            peak = max((value for _, value in points), default=0.0)
+            if points:
+                xs = [t for t, _ in points] + [end]
+                ys = [value for _, value in points] + [points[-1][1]]
+                ax.fill_between(xs, ys, step="post", color=color[job], alpha=0.6, linewidth=0)
+                ax.step(xs, ys, where="post", color=color[job], linewidth=0.8)
+            for start, stop in waits.get(job, []):
+                ax.axvspan(start, stop, color="0.85", zorder=0, linewidth=0)
+            ax.set_ylim(0, peak * 1.3 if peak > 0 else 1)
+            ax.yaxis.set_major_locator(MaxNLocator(2))
+            ax.set_ylabel(job, rotation=0, ha="right", va="center", color=color[job], fontweight="bold")
+            ax.text(1.01, 0.5, f"peak {_size(peak * scale, scale, unit)}", transform=ax.transAxes,
+                    ha="left", va="center", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+        bottom = rows[-1] if rows else top
+        bottom.set_xlim(0, end)
+        bottom.set_xlabel("time since the run started (s)")
+        if rows:
+            rows[0].set_title(f"each job on its own scale ({unit})", loc="left", fontsize=9)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
+
+    def _waits(self) -> dict[str, list[tuple[float, float]]]:
+        """Each job's waits for memory (admission and NodeGroups), in seconds."""
+        jobs = {tid: job for job, tid in self.tracks.items()}
+        waits: dict[str, list[tuple[float, float]]] = {}
+        for event in self.events:
+            if event["name"] == "queued" or event["name"].startswith("wait "):
+                start = event["ts"] / 1e6
+                waits.setdefault(jobs[event["tid"]], []).append((start, start + event["dur"] / 1e6))
+        return waits
+
+    @staticmethod
+    def _end_of(event: dict) -> float:
+        return (event["ts"] + event.get("dur", 0.0)) / 1e6
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "--memory-plot needs matplotlib: pip install 'wwrun[plot]' (or matplotlib)"
+        ) from None
+    return plt
+
+
+def _unit(nbytes: float) -> tuple[int, str]:
+    """The unit the plot's axes use: the largest that keeps the figures above 1."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if nbytes >= scale:
+            return scale, unit
+    return 2**10, "KiB"
+
+
+def _size(nbytes: float, scale: int, unit: str) -> str:
+    return f"{nbytes / scale:.3g} {unit}"

@@ -1,0 +1,154 @@
+"""What the user sees: the summary after a run and the live table while it goes on."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from wwrun.display import LiveDisplay, QuietDisplay, _print_rich_summary, short_error, summary_errors, summary_lines
+from wwrun.launcher import JobResult, JobState, RunResult
+
+TOO_LARGE = (
+    "JobTooLarge: job 'cnn' needs at least 1.1MiB (39.7KiB persistent + 1.1MiB activations) but the "
+    "memory limit is 1.0MiB: it cannot fit even alone (use a smaller batch or model, or raise --memory-limit)"
+)
+
+
+def _job(name, state, code=None, error=None, **extra) -> JobResult:
+    started = None if state in (JobState.PENDING, JobState.QUEUED) else 100.0
+    ended = 102.0 if state.is_final and started else None
+    return JobResult(name=name, script=f"{name}.py", module=None, args=[], cwd=".", state=state,
+                     exit_code=code, started=started, ended=ended, error=error, extra=extra)
+
+
+def _run(*jobs) -> RunResult:
+    failed = [j for j in jobs if j.is_failed()]
+    return RunResult(run_id="20260101-000000-abcd", device="cpu", policy="waterwave", jobs=list(jobs),
+                     started=100.0, ended=103.0, log_dir="/tmp/wwrun_logs/x",
+                     exit_code=failed[0].exit_code if failed else 0, root_cause=failed[0].name if failed else None)
+
+
+def _console(width: int) -> tuple[Console, io.StringIO]:
+    text = io.StringIO()
+    return Console(file=text, width=width, highlight=False, soft_wrap=True), text
+
+
+FAILED_RUN = _run(
+    _job("mlp", JobState.SUCCEEDED, 0, peak_memory_bytes=300_000, wait_s=0.0),
+    _job("cnn", JobState.FAILED, 1, TOO_LARGE, peak_memory_bytes=3_000_000, wait_s=1.6),
+    _job("multi", JobState.FAILED, 1, "ValueError: bad value\nsecond line of it"),
+)
+
+
+def _check_errors_below(below: list[str]) -> None:
+    assert below[0] == f"cnn: {TOO_LARGE}"
+    assert below[1:3] == ["multi: ValueError: bad value", "  second line of it"]
+    assert below[3:] == ["3 job(s) in 3.0s, logs in /tmp/wwrun_logs/x", "root cause: cnn (exit code 1)"]
+
+
+def test_plain_summary_keeps_one_line_per_job_and_gives_full_errors_below():
+    for width in (60, 100, 200):
+        lines = summary_lines(FAILED_RUN, width)
+        assert lines[0] == "wwrun run 20260101-000000-abcd"
+        assert lines[1].split() == ["job", "state", "exit", "time", "peak", "memory", "waited", "(s)", "error"]
+        rows = lines[2:5]
+        assert [row.split()[:3] for row in rows] == [["mlp", "succeeded", "0"], ["cnn", "failed", "1"],
+                                                     ["multi", "failed", "1"]]
+        assert all(len(line) <= max(width, 80) for line in lines[:5])
+        assert rows[1].rstrip().endswith("…") and "JobTooLarge: job" in rows[1]
+        assert "ValueError: bad" in rows[2] and (width < 100 or rows[2].endswith("ValueError: bad value …"))
+        _check_errors_below(lines[5:])
+
+
+def test_quiet_display_writes_the_plain_summary_off_a_terminal():
+    text = io.StringIO()
+    QuietDisplay(text).stop(FAILED_RUN)
+    lines = text.getvalue().splitlines()
+    assert lines[0] == "wwrun run 20260101-000000-abcd" and "│" not in text.getvalue()
+    assert len(lines) == 5 + 5  # title, header, three jobs; three error lines, two of totals
+
+
+def test_rich_summary_keeps_one_line_per_job_and_gives_full_errors_below():
+    for width in (80, 120, 200):
+        console, text = _console(width)
+        _print_rich_summary(console, FAILED_RUN)
+        lines = text.getvalue().splitlines()
+        rows = [line for line in lines if line.startswith("│")]
+        assert [row.split("│")[1].strip() for row in rows] == ["mlp", "cnn", "multi"]  # nothing wraps
+        assert all(len(line) <= width for line in lines if line[:1] in "┏┃┡│└")
+        cnn_row = next(row for row in rows if "cnn" in row)
+        assert "JobTooLarge: " in cnn_row and "…" in cnn_row
+        table_end = next(i for i, line in enumerate(lines) if line.startswith("└"))
+        _check_errors_below(lines[table_end + 1:])
+
+
+def test_short_error_is_the_first_line_marked_when_more_follows():
+    assert short_error(None) == "" and short_error("") == ""
+    assert short_error("ValueError: x") == "ValueError: x"
+    assert short_error("\nTraceback:\n  line\n") == "Traceback: …"
+
+
+def test_summary_errors_cover_every_job_with_an_error():
+    result = _run(
+        _job("a", JobState.FAILED, 1, "RuntimeError: boom"),
+        _job("b", JobState.SUCCEEDED, 0),
+        _job("c", JobState.CANCELLED, None, "not started: a failed (--halt soon)"),
+    )
+    assert summary_errors(result) == ["a: RuntimeError: boom", "c: not started: a failed (--halt soon)"]
+
+
+def _live_table(jobs: list[JobResult], memory: dict[str, int], last_lines: dict[str, str]) -> str:
+    console, text = _console(120)
+    display = LiveDisplay(io.StringIO(), io.StringIO(), tee=False)
+    display.runner = SimpleNamespace(
+        jobs=[SimpleNamespace(result=j, output=SimpleNamespace(last_line=last_lines.get(j.name, "")))
+              for j in jobs],
+        memory_of=lambda name: memory.get(name, 0),
+    )
+    console.print(display._table())
+    return text.getvalue()
+
+
+def test_live_table_shows_queued_and_waiting_jobs_as_such():
+    jobs = [
+        _job("runs", JobState.RUNNING),
+        _job("queued", JobState.QUEUED),
+        _job("waits", JobState.WAITING),
+        _job("later", JobState.PENDING),
+    ]
+    text = _live_table(jobs, {"runs": 3 * 2**20, "waits": 2**20}, {"runs": "step 10", "waits": "step 3"})
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:] if line.strip()}
+    assert rows["runs"][1] == "running" and "3.0MiB" in rows["runs"] and "step 10" in " ".join(rows["runs"])
+    # Not started: no memory figure ("0B"), and a word on what it waits for.
+    assert rows["queued"][1:3] == ["queued", "-"] and rows["queued"][3] == "-"
+    assert "waiting for a slot or for memory" in " ".join(rows["queued"])
+    assert rows["later"][1] == "pending" and "0B" not in rows["later"]
+    # Waiting for memory mid-run: its held memory and its own last line.
+    assert rows["waits"][1] == "waiting" and "1.0MiB" in rows["waits"] and "step 3" in " ".join(rows["waits"])
+    assert "0B" not in text
+
+
+def test_plain_lines_survive_a_stream_that_cannot_encode_them():
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    QuietDisplay(stream).note("café … done")
+    stream.flush()
+    assert raw.getvalue() == b"[wwrun] caf? ? done\n"
+
+
+def test_a_run_off_a_terminal_loads_no_more_than_it_needs(tmp_path):
+    # Every module loaded costs each run's start-up (benchmarks/launcher_overhead.py);
+    # the job runs in wwrun's process, so it sees what wwrun loaded.
+    job = tmp_path / "modules.py"
+    job.write_text("import sys\n"
+                   "print(sorted(m for m in ('rich', 'psutil', 'matplotlib', 'wwrun.engine') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), str(job)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "[modules] []" in done.stdout.splitlines()
+    assert re.search(r"^job +state +exit +time +error$", done.stderr, re.M)  # the plain summary
