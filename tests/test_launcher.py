@@ -641,3 +641,21 @@ def test_an_interrupted_job_s_endless_thread_does_not_keep_the_process_alive(tmp
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
+
+
+def test_the_report_names_options_as_flags_recipes_and_the_dry_run_do(tmp_path):
+    """One source of truth: the report's options are the recipe keys of the config's
+    fields (the same as `--dry-run`'s defaults), with the values the run resolved."""
+    import dataclasses
+
+    from wwrun.config import options
+    from wwrun.recipe import resolved_options
+
+    script = Path(__file__).parent / "scripts" / "count_fds.py"
+    config = LaunchConfig(jobs=[JobSpec(name="a", script=str(script))], log_dir=str(tmp_path / "logs"),
+                          quiet=True, retries=1, timeout=600.0)
+    result = launch(config)
+    reported = json.loads((Path(result.log_dir) / "report.json").read_text())["run"]["options"]
+    assert list(reported) == [f.name for f in options()]
+    assert reported == resolved_options(dataclasses.replace(config, run_id=result.run_id))
+    assert reported["retries"] == 1

@@ -135,6 +135,8 @@ class RunResult:
     exit_code: int = 0
     root_cause: str | None = None
     extra: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    """The launcher options the run resolved, under their recipe keys (as `--dry-run`)."""
 
     @property
     def wall_s(self) -> float:
@@ -159,6 +161,7 @@ class RunResult:
                 "root_cause": self.root_cause,
                 "log_dir": self.log_dir,
                 **self.extra,
+                "options": self.options,
             },
             "jobs": [job.to_dict() for job in self.jobs],
         }
@@ -670,11 +673,14 @@ class _Runner:
         cancelled = any(r.state == JobState.CANCELLED for r in results)
         root = failures[0] if failures else None
         exit_code = root.exit_code if root else (EXIT_INTERRUPTED if cancelled else 0)
+        from wwrun.recipe import resolved_options
+
         return RunResult(
             run_id=self.config.run_id, device=self.device, policy=self.policy, jobs=results,
             started=self.started, ended=time.time(), log_dir=str(self.run_dir),
             exit_code=exit_code, root_cause=root.name if root else None,
             extra={"state": "running"} if partial else {"state": "ended", **self._run_extra()},
+            options=resolved_options(self.config),
         )
 
     def _refresh_report(self, now: float) -> None:

@@ -76,6 +76,12 @@ def load_recipe(path: str | os.PathLike) -> LaunchConfig:
         raise ConfigError(f"{label}: {err.where}" if err.where else label, err.reason) from None
 
 
+def resolved_options(config: LaunchConfig) -> dict:
+    """Every launcher option of `config`, under its recipe key (from the fields'
+    metadata), as a recipe writes it: the dump's `defaults:` and the report's `options`."""
+    return {f.name: _dump_value(f, getattr(config, f.name)) for f in options_of(LaunchConfig)}
+
+
 def dump_recipe(config: LaunchConfig) -> str:
     """`config` as recipe text: every launcher option, every job expanded, paths absolute.
 
@@ -84,7 +90,7 @@ def dump_recipe(config: LaunchConfig) -> str:
     """
     import wwrun  # here, not at the top: the package's __init__ may import this module
 
-    options = {f.name: _dump_value(f, getattr(config, f.name)) for f in options_of(LaunchConfig)}
+    options = resolved_options(config)
     jobs = [_dump_job(job) for job in config.jobs]
     origin = f" from {config.source}" if config.source else ""
     header = (
