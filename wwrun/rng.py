@@ -186,16 +186,18 @@ def _patch_threads() -> None:
 # -- Python's random and numpy.random -------------------------------------------------
 
 
-def _view(module, name: str, own) -> None:
-    """Replace `module.name` by a function that calls the job's `own(state).name`."""
+def _view(module, name: str, own, method: str | None = None) -> None:
+    """Replace `module.name` by a function that calls the job's
+    `own(state).<method or name>`."""
     original = getattr(module, name)
+    method = method or name
 
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
         state = getattr(_local, "state", None)
         if state is None:
             return original(*args, **kwargs)
-        return getattr(own(state), name)(*args, **kwargs)
+        return getattr(own(state), method)(*args, **kwargs)
 
     setattr(module, name, dispatch)
 
@@ -221,23 +223,10 @@ def _patch_numpy() -> None:
         if name.startswith("_") or isinstance(getattr(mtrand, name), type):
             continue
         if name in ("ranf", "sample"):  # aliases of random_sample, not RandomState methods
-            _alias_view(numpy.random, name, "random_sample")
+            _view(numpy.random, name, lambda state: state.numpy, "random_sample")
             continue
         if callable(getattr(numpy.random.RandomState, name, None)) and hasattr(numpy.random, name):
             _view(numpy.random, name, lambda state: state.numpy)
-
-
-def _alias_view(module, name: str, method: str) -> None:
-    original = getattr(module, name)
-
-    @functools.wraps(original)
-    def dispatch(*args, **kwargs):
-        state = getattr(_local, "state", None)
-        if state is None:
-            return original(*args, **kwargs)
-        return getattr(state.numpy, method)(*args, **kwargs)
-
-    setattr(module, name, dispatch)
 
 
 # -- torch's Python API ---------------------------------------------------------------
