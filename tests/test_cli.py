@@ -112,7 +112,7 @@ def test_recipe_by_suffix_or_flag_with_options_overriding_defaults(tmp_path):
         (["--policy", "fast", A], "invalid choice"),
         (["--bogus", A], "unrecognized arguments"),
         ([], "no job given"),
-        (["-m", NO_GUARD], "job 1.module: '" + NO_GUARD + "' is not a module name"),
+        (["-m", NO_GUARD], "is not a module name (like 'pkg.train')"),  # the path's length is the checkout's
         (["--halt", "sooon", A], "invalid choice: 'sooon' (choose from 'never', 'soon', 'now') (did you mean soon?)"),
         (["--timeout", "soon", A], "--timeout: not a duration: 'soon'"),
         (["--retries", "-1", A], "--retries: must be at least 0, got -1"),

@@ -659,3 +659,28 @@ def test_the_report_names_options_as_flags_recipes_and_the_dry_run_do(tmp_path):
     assert list(reported) == [f.name for f in options()]
     assert reported == resolved_options(dataclasses.replace(config, run_id=result.run_id))
     assert reported["retries"] == 1
+
+
+def test_a_job_with_no_room_beside_the_others_starts_again_when_one_ends(tmp_path):
+    """The engine's NoRoomYet (it fits alone, not beside the running jobs) is not the
+    script's failure: the job is queued, not counted as an attempt, and starts again
+    from the top once another job has ended."""
+    scripts = Path(__file__).parent / "scripts"
+    marker = tmp_path / "tried"
+    jobs = [
+        JobSpec(name="early", script=str(scripts / "wait_for_file.py"), args=[str(marker)]),
+        JobSpec(name="late", script=str(scripts / "no_room_once.py"), args=[str(marker)]),
+    ]
+    events = tmp_path / "events.jsonl"
+    result = launch(LaunchConfig(jobs=jobs, log_dir=str(tmp_path / "logs"), quiet=True,
+                                 policy="concurrent", events=str(events)))
+    assert [j.state.value for j in result.jobs] == ["succeeded", "succeeded"], result.to_dict()
+    late = Path(result.log_dir) / "late"
+    assert (late / "stdout.log").read_text() == "starting\ntrained\n"
+    assert not (late / "error.json").exists()
+    assert result.jobs[1].extra["attempts"] == 1
+    states = [json.loads(line)["state"] for line in events.read_text().splitlines()
+              if json.loads(line)["job"] == "late"]
+    assert states[-3:] == ["queued", "running", "succeeded"]
+    # It started again only after "early" had ended.
+    assert result.jobs[1].started >= result.jobs[0].ended

@@ -89,7 +89,7 @@ def name_from(text: str) -> str:
     return name_part(text).lstrip("._=+,-")[:_DERIVED_NAME_LENGTH] or "job"
 
 
-def shorten(text: str, limit: int = 60) -> str:
+def shorten(text: str, limit: int = 200) -> str:
     """`text` cut to `limit` characters for a message (a 5000-character path stays readable)."""
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 

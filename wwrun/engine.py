@@ -77,11 +77,17 @@ PERSISTENT_EVERY = 64
 
 
 class JobTooLarge(RuntimeError):
-    """The job cannot run within the memory limit: alone, or beside the running jobs.
+    """The job cannot run within the memory limit, even alone.
 
     Raised in the job's own thread, from inside its model's forward, before the
     iteration that would not fit runs; the launcher reports it as that job's failure.
     """
+
+
+class NoRoomYet(JobTooLarge):
+    """The job fits alone but not beside the running jobs, and no job can go on (its
+    model turned out larger than the jobs admitted so far). Raised in its thread
+    before its first step; the launcher starts it again once another job has ended."""
 
 
 @dataclass(eq=False)
@@ -133,6 +139,7 @@ class _Job:
     passes: int = 0
     profiles: int = 0
     failed: str | None = None
+    no_room: bool = False  # failed for want of room beside the others, not alone
     waiting_since: float = 0.0  # nonzero while a request of the job waits
 
 
@@ -573,7 +580,7 @@ class Engine:
     def _wait_for_memory(self, job: _Job) -> None:
         """One wait of a refused request (under the lock); raises if the job failed."""
         if job.failed:
-            raise JobTooLarge(job.failed)
+            raise (NoRoomYet if job.no_room else JobTooLarge)(job.failed)
         if not job.waiting_since:
             # A new waiter changes what the others may do (the scheduler's preferences
             # give way when everyone waits): let them look again.
@@ -583,9 +590,10 @@ class Engine:
         victim = self.scheduler.stuck_victim()
         if victim is not None:
             self._jobs[victim].failed = self._no_room_message(victim)
+            self._jobs[victim].no_room = True
             self._cond.notify_all()
             if victim == job.name:
-                raise JobTooLarge(job.failed)
+                raise NoRoomYet(job.failed)
             return
         self._cond.wait(WAIT_POLL_S)
 

@@ -219,6 +219,9 @@ class _Job:
         self.attempts = 0
         self.out_of_memory = False
         """The last attempt failed for want of memory: a retry waits for another job's end."""
+        self.no_room = False
+        """It fits alone but not beside the running jobs (the engine's NoRoomYet): it
+        starts again, not counted as an attempt, once another job has ended."""
         self.retry_after_ends = 0
         self.stop: tuple[int, str] | None = None
         """(exit code, error) the launcher ended this job with (timeout, --halt now)."""
@@ -424,7 +427,7 @@ class _Runner:
         job.result.ended = job.result.exit_code = job.result.error = None
         job.deadline = time.monotonic() + spec.timeout if spec.timeout else None
         job.stop = job.stop_asked_at = None
-        job.out_of_memory = False
+        job.out_of_memory = job.no_room = False
         self._set_state(job, JobState.RUNNING)
         # Daemon: a job stuck past the grace period must not keep the process alive.
         job.thread = threading.Thread(target=self._job_main, args=(job,), name=f"wwrun:{spec.name}", daemon=True)
@@ -476,6 +479,7 @@ class _Runner:
             if isinstance(exc, KeyboardInterrupt):
                 job.interrupted = True
             job.out_of_memory = _is_out_of_memory(exc)
+            job.no_room = type(exc).__name__ == "NoRoomYet"
         try:  # as at interpreter exit: first the non-daemon threads, then atexit
             _join_job_threads(ctx)
             isolation.run_atexit_handlers(ctx)
@@ -615,6 +619,13 @@ class _Runner:
             state = JobState.INTERRUPTED
         else:
             state = JobState.FAILED
+        if state == JobState.FAILED and job.no_room and self._may_retry(job, counted=False):
+            # It fits alone: not a failure of the script's, which starts again from the top.
+            self.display.note(f"{job.spec.name} does not fit beside the running jobs yet: "
+                              "it starts again once one of them ends")
+            job.attempts -= 1
+            self._requeue(job)
+            return
         if code != 0:
             _write_error_json(job, code, error)
         if state == JobState.FAILED and self._may_retry(job):
@@ -622,11 +633,7 @@ class _Runner:
                 f"{job.spec.name} failed ({error or f'exit {code}'}): attempt {job.attempts + 1} of "
                 f"{job.retries + 1}{', once memory frees up' if job.out_of_memory else ''}"
             )
-            job.retry_after_ends = self._ends
-            job.thread = None
-            self._queue.append(job)
-            self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-            self._set_state(job, JobState.QUEUED)
+            self._requeue(job)
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
@@ -637,10 +644,20 @@ class _Runner:
                         other.interrupted = True
                         self._stop(other, EXIT_INTERRUPTED, f"interrupted: {job.spec.name} failed (--halt now)")
 
-    def _may_retry(self, job: _Job) -> bool:
-        """A failed attempt is queued again while retries are left, unless the run is
-        stopping or the attempt's thread is still alive (abandoned past its grace)."""
-        if job.attempts > job.retries or self._interrupted_at is not None or self._halted is not None:
+    def _requeue(self, job: _Job) -> None:
+        job.retry_after_ends = self._ends
+        job.thread = None
+        self._queue.append(job)
+        self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
+        self._set_state(job, JobState.QUEUED)
+
+    def _may_retry(self, job: _Job, counted: bool = True) -> bool:
+        """A failed attempt is queued again while retries are left (`counted`), unless
+        the run is stopping or the attempt's thread is still alive (abandoned past its
+        grace)."""
+        if counted and job.attempts > job.retries:
+            return False
+        if self._interrupted_at is not None or self._halted is not None:
             return False
         if job.stop is not None and job.stop[0] != EXIT_TIMEOUT:
             return False
