@@ -40,7 +40,11 @@ MAX_JOBS = 10_000
 # team, and holds 6 file descriptors (two pipes, two logs). 256 stays far below
 # Linux's default thread limits; `default_max_concurrent` also keeps to `ulimit -n`.
 DEFAULT_MAX_CONCURRENT = 256
-_FDS_PER_JOB = 8  # 6, and room for the job's own files
+# Open files a run holds: a running job six (two pipes, two log files), an ended one
+# two until the run ends (its write ends, pointed at /dev/null), and the launcher's own.
+FDS_PER_RUNNING_JOB = 6
+FDS_PER_ENDED_JOB = 2
+_FDS_BASE = 128
 
 _UNITS = {
     "": 1, "b": 1,
@@ -190,7 +194,8 @@ def default_max_concurrent() -> int:
     import resource
 
     limit = DEFAULT_MAX_CONCURRENT
-    for which, per_job in ((resource.RLIMIT_NOFILE, _FDS_PER_JOB), (resource.RLIMIT_NPROC, 4)):
+    # A running job's descriptors and room for its own files; threads: its own and its OpenMP team.
+    for which, per_job in ((resource.RLIMIT_NOFILE, FDS_PER_RUNNING_JOB + 2), (resource.RLIMIT_NPROC, 4)):
         soft, _ = resource.getrlimit(which)
         if soft != resource.RLIM_INFINITY:
             limit = min(limit, (soft - 64) // per_job)
@@ -404,11 +409,6 @@ def preflight(config: LaunchConfig) -> None:
         refuse_job_memory_limits(config, "on the CPU")
 
 
-# Open files a run holds: a running job six (two pipes, two log files), an ended one
-# two until the run ends (its write ends, pointed at /dev/null), and the launcher's own.
-FDS_PER_RUNNING_JOB = 6
-FDS_PER_ENDED_JOB = 2
-_FDS_BASE = 128
 
 
 def _check_descriptors(config: LaunchConfig) -> None:
