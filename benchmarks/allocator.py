@@ -1,4 +1,4 @@
-"""Benchmark of the memory-flow allocator (wwrun/allocator.py, csrc/allocator/).
+"""Benchmark of the memory-flow allocator (wwrun/memory/allocator.py, csrc/allocator/).
 
     PYTHONPATH=$PWD python benchmarks/allocator.py            # host; and GPU parts when CUDA is present
 
@@ -32,7 +32,7 @@ MiB = 1 << 20
 def host_pairs_per_second(repeats: int) -> dict:
     """Single stream (events recorded lazily), and with a second stream in use
     (one event recorded per free, as in a multi-job run)."""
-    from wwrun.allocator import HostAllocator
+    from wwrun.memory.allocator import HostAllocator
 
     rng = random.Random(0)
     sizes = [int(2 ** rng.uniform(9, 22)) for _ in range(4096)]
@@ -58,7 +58,7 @@ def cpu_routing_cost(steps: int) -> dict:
     thread): the cost of counting every byte a job allocates. Best of 3 each."""
     import torch
 
-    import wwrun.allocator as wa
+    import wwrun.memory.allocator as wa
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -103,7 +103,7 @@ def gpu_child(kind: str) -> dict:
     import torch
 
     if kind == "wwrun":
-        import wwrun.allocator as wa
+        import wwrun.memory.allocator as wa
 
         wa.install()
     torch.cuda.init()

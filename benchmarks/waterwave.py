@@ -69,7 +69,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import wwrun  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
-from wwrun.engine import Engine, JobTooLarge  # noqa: E402
+from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -379,7 +379,7 @@ def gate_cost_us(n: int = 20000) -> float:
         engine.scheduler.end_profile("gate", 1 << 20)
         start = time.perf_counter()
         for _ in range(n):
-            engine._gate(job, 1, 0)
+            engine._gate(job, 1)
         cost.append((time.perf_counter() - start) / n * 1e6)
         engine.job_finished("gate")
 

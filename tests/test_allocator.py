@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wwrun.allocator import HostAllocator, is_job_thread, mark_job_thread, unmark_job_thread
+from wwrun.memory.allocator import HostAllocator, is_job_thread, mark_job_thread, unmark_job_thread
 
 MiB = 1 << 20
 ALIGN = 512
@@ -349,13 +349,13 @@ def test_without_triton_an_ended_job_s_blocks_are_zeroed_at_hand_out(monkeypatch
 def test_a_failed_scrub_launch_warns_and_leaves_the_blocks_to_hand_out_zeroing(monkeypatch):
     import triton_kernels
 
-    import wwrun.allocator
+    import wwrun.memory.allocator
 
     def launch_fails(*args, **kwargs):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(triton_kernels, "zero_ranges_", launch_fails)
-    monkeypatch.setattr(wwrun.allocator, "_batched_scrub_failed", False)  # restored after
+    monkeypatch.setattr(wwrun.memory.allocator, "_batched_scrub_failed", False)  # restored after
     alloc = two_jobs()
     secret = a_secret(alloc)
     alloc.free(secret.ptr)
@@ -486,12 +486,13 @@ def test_sources_are_found_in_an_installed_layout(tmp_path):
     import importlib.util
     import shutil
 
-    import wwrun.allocator
+    import wwrun.memory.allocator
 
     package = tmp_path / "wwrun"
-    shutil.copytree(wwrun.allocator.source_dir(), package / "csrc" / "allocator")
-    shutil.copy(wwrun.allocator.__file__, package / "allocator.py")
-    spec = importlib.util.spec_from_file_location("installed_allocator", package / "allocator.py")
+    shutil.copytree(wwrun.memory.allocator.source_dir(), package / "csrc" / "allocator")
+    (package / "memory").mkdir()
+    shutil.copy(wwrun.memory.allocator.__file__, package / "memory" / "allocator.py")
+    spec = importlib.util.spec_from_file_location("installed_allocator", package / "memory" / "allocator.py")
     installed = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(installed)
     assert installed.source_dir() == package / "csrc" / "allocator"
@@ -786,7 +787,7 @@ def test_threaded_stress_keeps_every_job_s_data_intact():
 import subprocess  # noqa: E402
 import textwrap  # noqa: E402
 
-from wwrun import allocator as wwalloc  # noqa: E402
+from wwrun.memory import allocator as wwalloc  # noqa: E402
 
 
 @pytest.fixture
@@ -945,7 +946,7 @@ def test_a_forked_dataloader_under_the_cpu_allocator_does_not_deadlock(tmp_path)
     script.write_text(textwrap.dedent("""
         import threading, torch
         from torch.utils.data import DataLoader, TensorDataset
-        from wwrun import allocator as wwalloc
+        from wwrun.memory import allocator as wwalloc
 
         wwalloc.install_cpu_allocator(256 << 20)
         stop = threading.Event()

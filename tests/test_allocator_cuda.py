@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from wwrun.allocator import source_dir
+from wwrun.memory.allocator import source_dir
 
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path)
 def test_install_and_job_functions_give_clear_errors():
     import torch
 
-    import wwrun.allocator as wa
+    import wwrun.memory.allocator as wa
 
     with pytest.raises(ValueError, match="CUDA device"):
         wa.install("cpu")
@@ -77,7 +77,7 @@ def test_install_and_job_functions_give_clear_errors():
 def run_fresh(body: str) -> dict:
     """Runs `body` in a new interpreter after installing the allocator; the
     script prints one JSON object as its last line."""
-    script = "import json, threading, torch\nimport wwrun.allocator as wa\nwa.install()\n"
+    script = "import json, threading, torch\nimport wwrun.memory.allocator as wa\nwa.install()\n"
     script += textwrap.dedent(body)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(

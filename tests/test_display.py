@@ -146,9 +146,9 @@ def test_a_run_off_a_terminal_loads_no_more_than_it_needs(tmp_path):
     # the job runs in wwrun's process, so it sees what wwrun loaded.
     job = tmp_path / "modules.py"
     job.write_text("import sys\n"
-                   "print(sorted(m for m in ('rich', 'psutil', 'matplotlib', 'wwrun.engine') if m in sys.modules))\n")
+                   "print(sorted(m for m in ('rich', 'psutil', 'matplotlib', 'wwrun.memory.engine') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), str(job)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "[modules] []" in done.stdout.splitlines()
-    assert re.search(r"^job +state +exit +time +error$", done.stderr, re.M)  # the plain summary
+    assert re.search(r"^job +state +exit +time +peak memory +error$", done.stderr, re.M)  # the plain summary

@@ -1,5 +1,5 @@
 """The engine on real models in real threads, on the CPU with a memory budget
-(wwrun/engine.py). Plain threads stand in for the launcher: each calls
+(wwrun/memory/engine.py). Plain threads stand in for the launcher: each calls
 `job_started` before its training loop and `job_finished` after it."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from wwrun.engine import Engine, JobTooLarge
+from wwrun.memory.engine import Engine, JobTooLarge
 
 F32 = 4
 

@@ -1,11 +1,11 @@
-"""Partition balance and plan building (wwrun/nodegroups.py)."""
+"""Partition balance and plan building (wwrun/memory/nodegroups.py)."""
 
 import itertools
 import random
 
 import pytest
 
-from wwrun.nodegroups import Node, make_plan, partition
+from wwrun.memory.nodegroups import Node, make_plan, partition
 
 
 def brute_force_best(sizes, k):

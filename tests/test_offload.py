@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wwrun.offload import stash
+from wwrun.memory.offload import stash
 
 
 def _tensors(device: str) -> list[torch.Tensor]:

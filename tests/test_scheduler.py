@@ -1,4 +1,4 @@
-"""Admission logic (wwrun/scheduler.py) driven by simulated jobs.
+"""Admission logic (wwrun/memory/scheduler.py) driven by simulated jobs.
 
 Each simulated job builds its model (persistent bytes), then runs iterations: a
 forward that asks for its NodeGroups' growth one group at a time (and may wait), then
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from wwrun.scheduler import Decision, Scheduler
+from wwrun.memory.scheduler import Decision, Scheduler
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from wwrun.trace import Timeline, _unit
+from wwrun.memory.trace import Timeline, _unit
 
 MiB = 2**20
 

@@ -30,7 +30,7 @@ __all__ = [
 
 
 _LAZY = {
-    "Engine": "engine", "JobTooLarge": "engine",
+    "Engine": "memory.engine", "JobTooLarge": "memory.engine",
     "JobResult": "launcher", "JobState": "launcher", "RunResult": "launcher", "launch": "launcher",
     "dump_recipe": "recipe", "load_recipe": "recipe",
 }

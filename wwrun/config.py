@@ -405,8 +405,6 @@ def preflight(config: LaunchConfig) -> None:
         if path is not None and not (name == "events" and path == "-"):
             _check_output_file(name, path)
     _check_descriptors(config)
-    if any(job.memory_limit is not None for job in config.jobs) and _device_of(config) == "cpu":
-        refuse_job_memory_limits(config, "on the CPU")
 
 
 
@@ -428,14 +426,14 @@ def _check_descriptors(config: LaunchConfig) -> None:
 
 
 def refuse_job_memory_limits(config: LaunchConfig, where: str) -> None:
-    """A job's own memory_limit is enforced by wwrun's allocator, on CUDA only: a
-    config that has one is refused `where` it cannot be, rather than run unlimited."""
+    """A job's own memory_limit is enforced by wwrun's allocator: a config that has
+    one is refused `where` it cannot be, rather than run unlimited."""
     for i, job in enumerate(config.jobs):
         if job.memory_limit is not None:
             raise ConfigError(
                 f"jobs[{i}].memory_limit",
                 f"job {job.name!r}: a job's memory limit cannot be enforced {where}, only by wwrun's "
-                "allocator on CUDA (drop it, or limit the whole run with memory_limit)",
+                "allocator (drop it, or limit the whole run with memory_limit)",
             )
 
 

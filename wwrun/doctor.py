@@ -170,7 +170,7 @@ def _driver_version() -> str | None:
 def check_allocator(device: str) -> Check:
     from torch.utils import cpp_extension
 
-    from wwrun import allocator
+    from wwrun.memory import allocator
 
     kind = "cuda" if device.startswith("cuda") else "host"
     cache = cpp_extension._get_build_directory(f"wwrun_allocator_{kind}", verbose=False)

@@ -104,6 +104,9 @@ class JobContext:
     signal_handlers: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
     """Threads the job started (its non-daemon threads are joined when it ends)."""
+    thread_hooks: list = field(default_factory=list)
+    """Called with no arguments in each thread the job starts, before its target
+    (the launcher binds the thread to the job's memory)."""
     thread_id: int | None = None
     traceback: str | None = None
     """The uncaught exception's traceback, once the job failed with one."""
@@ -770,7 +773,9 @@ def _thread_start(self):
 
 
 def _thread_bootstrap_inner(self):
-    _local.job = getattr(self, "_wwrun_job", None)
+    _local.job = job = getattr(self, "_wwrun_job", None)
+    for hook in job.thread_hooks if job is not None else ():
+        hook()
     return _originals["Thread._bootstrap_inner"](self)
 
 

@@ -257,12 +257,17 @@ class _Runner:
         self._report_due = 0.0
         self._crash_log = None
         self.started = time.time()
-        self.allocator = self._install_allocator()
-        if self.allocator == "native":
+        from wwrun.memory import Memory
+
+        self.memory = Memory(
+            self.device, config.memory_limit, self.policy,
+            nodegroups=config.nodegroups, queue=config.queue, trace=bool(config.trace or config.memory_plot),
+            note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
+        )
+        if self.memory.allocator == "native":
             refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
-        self.capacity = self._capacity()
-        self.engine = self._make_engine()
-        self._expected_releases: dict[str, int] = {}
+        if self.memory.engine is not None:
+            self.memory.engine.state_listeners.append(self._on_engine_state)
 
     # -- the run ------------------------------------------------------------------
 
@@ -299,24 +304,27 @@ class _Runner:
         result = self._result()
         self._write_report(result)
         self._write_outputs()
+        self.memory.close()
         self.display.stop(result)
         if self.config.explain:
-            self.display.explain(self.engine.explain() if self.engine else "no NodeGroups: the policy is not waterwave")
+            engine = self.memory.engine
+            self.display.explain(engine.explain() if engine else "no NodeGroups: the policy is not waterwave")
         if self.config.report:
             Path(self.config.report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         return result
 
     def _write_outputs(self) -> None:
-        if self.engine is None:
+        engine = self.memory.engine
+        if engine is None:
             for option in ("trace", "memory_plot"):
                 if getattr(self.config, option):
                     self.display.note(f"--{option.replace('_', '-')} needs the waterwave policy; nothing written")
             return
         if self.config.trace:
-            self.engine.write_trace(self.config.trace)
+            engine.write_trace(self.config.trace)
         if self.config.memory_plot:
             try:
-                self.engine.write_memory_plot(self.config.memory_plot, run_id=self.config.run_id)
+                engine.write_memory_plot(self.config.memory_plot, run_id=self.config.run_id)
             except (ImportError, RuntimeError) as err:
                 self.display.note(f"no memory plot: {err}")
 
@@ -466,13 +474,13 @@ class _Runner:
     def _run_job(self, job: _Job) -> tuple[int, str | None]:
         ctx = job.context
         code, error = 0, None
+        memory = self.memory.session(job.spec.name, job.spec.priority, job.spec.memory_limit)
         try:
             isolation.enter(ctx)
             _threads_default_to_non_daemon()
             rng.enter_job()
-            self._prepare_device(job)
-            if self.engine is not None:  # may wait until the job fits beside the others
-                self.engine.job_started(job.spec.name, job.spec.priority)
+            ctx.thread_hooks.append(lambda: self.memory.join_thread(job.spec.name))
+            memory.__enter__()  # may wait until the job fits beside the others
             _run_code(job.spec, ctx)
         except BaseException as exc:  # noqa: BLE001 - every way a script can end
             code, error = _outcome(exc, ctx)
@@ -487,8 +495,7 @@ class _Runner:
             if code == 0:
                 code, error = _outcome(exc, ctx)
         finally:
-            if self.engine is not None:  # hands back every byte it reserved, wakes the others
-                self.engine.job_finished(job.spec.name)
+            memory.leave()  # hands back every byte it reserved, wakes the others
             for stream in (ctx.stdout, ctx.stderr):
                 try:
                     stream.flush()
@@ -497,62 +504,8 @@ class _Runner:
             ctx.stdin.close()
             rng.leave_job()
             isolation.leave()
-            self._release_device(job)
             job.output.release_writers()
         return code, error
-
-    def _install_allocator(self) -> str | None:
-        """On CUDA, the memory-flow allocator (built at first use), before any CUDA
-        work; PyTorch's own when it cannot be had, said once."""
-        if self.device != "cuda":
-            return None
-        from wwrun import allocator
-
-        try:
-            allocator.install()
-        except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
-            self.display.note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
-            return "native"
-        return "waterwave"
-
-    def _capacity(self) -> int | None:
-        """Bytes the run may use: --memory-limit (a fraction of the device's memory, or
-        bytes); on CUDA the whole device without one, on the CPU no budget."""
-        if self.device == "cuda":
-            import torch
-
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            return resolve_size(self.config.memory_limit, total) or total
-        if self.config.memory_limit is None:
-            return None
-        import psutil
-
-        return resolve_size(self.config.memory_limit, psutil.virtual_memory().total)
-
-    def _make_engine(self):
-        """The NodeGroup scheduler (wwrun.engine) under the waterwave policy; the
-        baselines (concurrent, sequential) run plain."""
-        if self.policy != "waterwave":
-            return None
-        from wwrun.engine import Engine
-
-        probe = None
-        if self.allocator == "waterwave":
-            probe = lambda name: (self._allocator_figures(name) or {}).get("current", 0)  # noqa: E731
-        engine = Engine(
-            self.capacity,
-            policy=self.policy,
-            nodegroups=self.config.nodegroups,
-            queue=self.config.queue,
-            device=self.device,
-            trace=bool(self.config.trace or self.config.memory_plot),
-            current_job=lambda: getattr(isolation.current_job(), "name", None),
-            memory_probe=probe,
-        )
-        if self.allocator == "waterwave":
-            engine.release_listeners.append(self._expect_releases)
-        engine.state_listeners.append(self._on_engine_state)
-        return engine
 
     def _on_engine_state(self, name: str, state: str) -> None:
         """From the engine, on the job's thread: queued for admission, waiting for
@@ -560,39 +513,6 @@ class _Runner:
         job = next((j for j in self.jobs if j.spec.name == name), None)
         if job is not None and not job.result.state.is_final:
             self._set_state(job, JobState(state))
-
-    def _expect_releases(self, job: str, held: int) -> None:
-        """Backward progress, from the engine: jobs still holding activations are
-        about to free memory; the allocator's rule f waits for them before failing."""
-        from wwrun import allocator
-
-        if held > 0:
-            self._expected_releases[job] = held
-        else:
-            self._expected_releases.pop(job, None)
-        allocator.set_expected_releases(dict(self._expected_releases))
-
-    def _prepare_device(self, job: _Job) -> None:
-        if self.device != "cuda":
-            return
-        import torch
-
-        # Each job on its own stream: the legacy default stream would serialize them,
-        # and the allocator tells jobs apart by stream.
-        stream = torch.cuda.Stream()
-        if self.allocator == "waterwave":
-            from wwrun import allocator
-
-            capacity = torch.cuda.get_device_properties(stream.device).total_memory
-            allocator.register_stream(stream, job.spec.name, resolve_size(job.spec.memory_limit, capacity))
-            allocator.mark_job_thread(job.spec.name)  # rule f may wait on this thread only
-        torch.cuda.set_stream(stream)
-
-    def _release_device(self, job: _Job) -> None:
-        if self.allocator == "waterwave":
-            from wwrun import allocator
-
-            allocator.unregister_job(job.spec.name)
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -606,9 +526,9 @@ class _Runner:
             code, error = job.stop
             if abandoned:
                 error += " (did not stop within the grace period)"
-        if abandoned and self.engine is not None:
+        if abandoned and self.memory.engine is not None:
             # Its thread goes on, but the memory it reserved and its hooks go back now.
-            self.engine.job_finished(job.spec.name)
+            self.memory.engine.job_finished(job.spec.name)
         result.exit_code = code
         result.error = error
         if code == 0:
@@ -677,14 +597,7 @@ class _Runner:
         for result in results:
             if partial:
                 break
-            figures = self._allocator_figures(result.name)
-            if figures:
-                result.extra["peak_memory_bytes"] = figures["peak"]
-            if self.engine is not None and result.started is not None:
-                try:
-                    result.extra.update(self.engine.job_report(result.name))
-                except KeyError:  # it failed before the engine saw it (no such script, ...)
-                    pass
+            result.extra.update(self.memory.job_report(result.name, started=result.started is not None))
         failures = [r for r in results if r.exit_code not in (0, None)]
         failures.sort(key=lambda r: r.ended or float("inf"))
         cancelled = any(r.state == JobState.CANCELLED for r in results)
@@ -767,12 +680,7 @@ class _Runner:
         self._crash_log.flush()
 
     def _run_extra(self) -> dict:
-        extra = {"memory_limit_bytes": self.capacity}
-        if self.allocator:
-            extra["allocator"] = self.allocator
-        if self.engine is not None:
-            extra.update(self.engine.run_report())
-        return extra
+        return self.memory.run_report()
 
     @property
     def concurrency(self) -> int:
@@ -807,20 +715,7 @@ class _Runner:
 
     def memory_of(self, name: str) -> int | None:
         """A job's current memory, for the live table; None while unknown."""
-        if self.engine is not None:
-            return self.engine.memory_of(name)
-        figures = self._allocator_figures(name)
-        return figures["current"] if figures else None
-
-    def _allocator_figures(self, name: str) -> dict | None:
-        if self.allocator != "waterwave":
-            return None
-        from wwrun import allocator
-
-        try:
-            return allocator.job_stats(name)["allocated_bytes"]
-        except ValueError:  # not registered yet
-            return None
+        return self.memory.memory_of(name)
 
     # -- signals and children -------------------------------------------------------
 

@@ -288,6 +288,7 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   update_stat(stats_.requested_bytes, asked);
   update_stat(stats_.allocations, 1);
   update_stat(jobs_[job].allocated_bytes, bytes);
+  jobs_[job].window_peak = std::max(jobs_[job].window_peak, jobs_[job].allocated_bytes.current);
   update_stat(jobs_[job].requested_bytes, asked);
   update_stat(jobs_[job].allocations, 1);
   out.ptr = block->ptr;
@@ -866,6 +867,15 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
     result.push_back(std::move(info));
   }
   return result;
+}
+
+MemoryFlowAllocator::Window MemoryFlowAllocator::job_window(JobId job, bool restart) {
+  Lock lock(mutex_);
+  JobStats& stats = jobs_.at(job);
+  const std::int64_t current = stats.allocated_bytes.current;
+  const Window window{current, std::max(stats.window_peak, current)};
+  if (restart) stats.window_peak = current;
+  return window;
 }
 
 void MemoryFlowAllocator::reset_peak(std::optional<JobId> job) {

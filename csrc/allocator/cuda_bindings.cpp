@@ -33,6 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                     double wait_s) {
     tc::core(device).set_expected_releases(jobs, wait_s);
   });
+  m.def("find_job", [](int device, const std::string& job) { return tc::core(device).find_job(job); });
+  m.def("job_window", [](int device, wwrun::alloc::JobId job, bool restart) {
+    const auto window = tc::core(device).job_window(job, restart);
+    return std::make_pair(window.current, window.peak);
+  });
   m.def("snapshot", [](int device) { return wwrun::alloc::snapshot_dict(tc::core(device).snapshot()); });
   m.def("segments", [](int device) { return wwrun::alloc::segments_list(tc::core(device).segments()); });
 }

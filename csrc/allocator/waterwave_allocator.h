@@ -212,6 +212,9 @@ struct JobStats {
   Stat allocated_bytes;
   Stat requested_bytes;
   Stat allocations;       // live blocks
+  // The most allocated since the engine last looked (take_window): a NodeGroup's or
+  // an iteration's peak, without disturbing the job's lifetime peak above.
+  std::int64_t window_peak = 0;
   std::int64_t num_ooms = 0;
   std::int64_t scrubbed_bytes = 0;  // zeroed at hand-out to this job: another job's data was there
   std::int64_t batch_scrubbed_bytes = 0;  // this job's data zeroed by batched scrubs
@@ -314,6 +317,14 @@ class MemoryFlowAllocator {
   bool unregister_job(const std::string& name);
   JobId job_of_stream(StreamId stream) const;
   std::optional<JobId> find_job(const std::string& name) const;
+  // A job's allocated bytes now and at most since its window last restarted;
+  // `restart` starts a new window. One lock, no copy: the engine calls it at
+  // NodeGroup boundaries.
+  struct Window {
+    std::int64_t current;
+    std::int64_t peak;
+  };
+  Window job_window(JobId job, bool restart);
 
   // Note [Batched scrub]. take_dirty_blocks marks the job's dirty free blocks in
   // scrub, orders `scrub_stream` after their last use, and returns them (empty

@@ -7,7 +7,7 @@ Usage: no_room_once.py MARKER
 import os
 import sys
 
-from wwrun.engine import NoRoomYet
+from wwrun.memory.engine import NoRoomYet
 
 print("starting")
 if not os.path.exists(sys.argv[1]):

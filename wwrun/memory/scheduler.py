@@ -1,6 +1,6 @@
 """Memory-aware admission of NodeGroups: the Banker's algorithm over bytes.
 
-Pure logic, no torch and no threads: the engine (wwrun/engine.py) calls it under its
+Pure logic, no torch and no threads: the engine (wwrun/memory/engine.py) calls it under its
 lock and does the waiting; tests drive it with simulated jobs.
 
 Model (Waterwave, IEEE TC 2023, §NodeGroup pipeline execution; the safety test is
@@ -86,12 +86,15 @@ class JobState:
 class Scheduler:
     """Admission of jobs and of their NodeGroups under `capacity` bytes (None: no limit)."""
 
-    def __init__(self, capacity: int | None, queue: str = "fifo"):
+    def __init__(self, capacity: int | None, queue: str = "fifo", *, headroom_per_job: int = 0):
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if queue not in ("fifo", "las"):
             raise ValueError(f"queue must be 'fifo' or 'las', got {queue!r}")
+        if headroom_per_job < 0:
+            raise ValueError(f"headroom_per_job must be >= 0, got {headroom_per_job}")
         self.capacity = capacity
+        self.headroom_per_job = headroom_per_job
         self.queue = queue
         self.jobs: dict[str, JobState] = {}
         self._seq = itertools.count()
@@ -127,7 +130,7 @@ class Scheduler:
             return False  # size the running jobs before adding one more
         guess_persistent, guess_claim = self.smallest or (0, 0)
         persistent = sum(j.persistent for j in active) + guess_persistent
-        return persistent + max(guess_claim, *(j.claim for j in active)) <= self.capacity
+        return persistent + max(guess_claim, *(j.claim for j in active)) <= self._budget(len(active) + 1)
 
     def finish(self, name: str) -> None:
         """The job ended (success or failure): everything it held is free."""
@@ -145,6 +148,13 @@ class Scheduler:
         return (-job.priority, order, job.seq)
 
     # ---- memory -----------------------------------------------------------------
+    def _budget(self, sharing: int) -> int:
+        """The bytes `sharing` jobs may plan for together: the capacity, less each
+        job's headroom when they share it (the allocator holds memory in segments:
+        what a job leaves free inside its own is not another's to take). A job alone
+        has the whole capacity."""
+        return self.capacity - (self.headroom_per_job * sharing if sharing > 1 else 0)
+
     @property
     def used(self) -> int:
         return sum(j.persistent + j.held for j in self.active())
@@ -188,6 +198,14 @@ class Scheduler:
         if settled:
             job.settled = True
         self._note_size(job)
+
+    def raise_claim(self, name: str, claim: int) -> None:
+        """A later iteration of the job held more than its profile (measured by the
+        allocator over a whole iteration): its claim grows, never shrinks."""
+        job = self.jobs.get(name)
+        if job is not None and job.claim is not None and claim > job.claim:
+            job.claim = claim
+            self._note_size(job)
 
     def fits_alone(self, name: str, held: int | None = None, persistent: int | None = None) -> bool:
         job = self.jobs[name]
@@ -280,7 +298,8 @@ class Scheduler:
         persistent = sum(j.persistent for j in active)
         if want.persistent is not None:
             persistent += want.persistent - job.persistent
-        free = self.capacity - persistent - sum(holding.values())
+        sharing = sum(1 for j in active if j is job or j.persistent or holding[j.name])
+        free = self._budget(sharing) - persistent - sum(holding.values())
         if free < 0:
             return False
         # Profiled jobs must all be able to finish, in some order. A job being

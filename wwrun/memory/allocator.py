@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +45,7 @@ __all__ = [
     "is_cpu_allocator_installed",
     "is_installed",
     "is_job_thread",
+    "job_meter",
     "job_stats",
     "mark_job_thread",
     "register_stream",
@@ -71,12 +72,12 @@ _batched_scrub_failed = False  # a launch failed once: zero at hand-out from the
 def source_dir() -> Path:
     """The allocator's C++ sources: `csrc/allocator` of a checkout, or the copy
     installed as package data (`wwrun/csrc/allocator`) by a non-editable install."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "csrc" / "allocator", here.parent / "csrc" / "allocator"):
+    package = Path(__file__).resolve().parent.parent  # wwrun/
+    for candidate in (package / "csrc" / "allocator", package.parent / "csrc" / "allocator"):
         if (candidate / "waterwave_allocator.h").is_file():
             return candidate
     raise RuntimeError(
-        f"wwrun allocator: C++ sources not found next to {here} "
+        f"wwrun allocator: C++ sources not found next to {package} "
         "(expected csrc/allocator in the checkout or in the installed package)"
     )
 
@@ -379,6 +380,25 @@ def unmark_job_thread() -> None:
         _modules["cpu"].unbind_thread()
 
 
+def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]]:
+    """A cheap reader of `job`'s allocated bytes on the run's allocator ("cpu" or
+    "cuda"): `meter(restart)` returns (bytes now, most since the window last
+    restarted) and with `restart` starts a new window. The engine reads NodeGroups'
+    and iterations' peaks with it; the job's lifetime peak is not disturbed."""
+    _check_job(job)
+    if device == "cuda":
+        module, index = _cuda(), torch.cuda.current_device()
+        job_id = module.find_job(index, job)
+        read = lambda restart=False: module.job_window(index, job_id, restart)  # noqa: E731
+    else:
+        module = _cpu()
+        job_id = module.find_job(job)
+        read = lambda restart=False: module.job_window(job_id, restart)  # noqa: E731
+    if job_id is None:
+        raise ValueError(f"unknown job {job!r}")
+    return read
+
+
 def is_job_thread() -> bool:
     return any(module.is_job_thread() for module in _loaded_modules(load_host=False))
 
@@ -416,7 +436,7 @@ def _cpu():
     if not is_cpu_allocator_installed():
         raise RuntimeError(
             "wwrun allocator: the CPU allocator is not installed; call "
-            "wwrun.allocator.install_cpu_allocator() first"
+            "wwrun.memory.allocator.install_cpu_allocator() first"
         )
     return _modules["cpu"]
 
@@ -478,7 +498,7 @@ def install(device: str | torch.device = "cuda") -> None:
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "wwrun allocator: CUDA is already initialised in this process; call "
-            "wwrun.allocator.install() before any CUDA work"
+            "wwrun.memory.allocator.install() before any CUDA work"
         )
     if torch.version.cuda is None:
         raise RuntimeError("wwrun allocator: this torch build has no CUDA support")
@@ -492,7 +512,7 @@ def is_installed() -> bool:
 
 def _cuda():
     if not is_installed():
-        raise RuntimeError("wwrun allocator: not installed; call wwrun.allocator.install() first")
+        raise RuntimeError("wwrun allocator: not installed; call wwrun.memory.allocator.install() first")
     return _modules["cuda"]
 
 

@@ -43,6 +43,9 @@ class Node:
     """Bytes of the module's outputs: a lower bound of the memory it needs at once."""
     calls: int = 1
     """How often this module was called in the pass (entries only at calls == 1)."""
+    peak_bytes: int = 0
+    """The most the job's allocator held above its pass-start bytes while this node
+    was the latest entered: saved activations, temporaries and all (0 unmeasured)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +55,8 @@ class Group:
     modules: list[str]
     retained_bytes: int
     transient_bytes: int
+    peak_bytes: int = 0
+    """The most the job held above its pass-start bytes within the group (measured)."""
 
     @property
     def entry(self) -> str:
@@ -79,6 +84,21 @@ class Plan:
     @property
     def transient_bytes(self) -> int:
         return max((g.transient_bytes for g in self.groups), default=0)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the allocator measured the pass (then targets come from it)."""
+        return any(g.peak_bytes for g in self.groups)
+
+    def targets(self) -> list[int]:
+        """The bytes above its pass-start memory a job may hold once it enters each
+        group: the most measured up to there, or, unmeasured, the activations the
+        groups so far retain."""
+        targets, reach = [], 0
+        for group in self.groups:
+            reach = max(reach, group.peak_bytes) if self.measured else reach + group.retained_bytes
+            targets.append(reach)
+        return targets
 
 
 def partition(sizes: list[int], groups: int) -> list[range]:
@@ -164,6 +184,7 @@ def make_plan(nodes: list[Node], groups: int | None = None) -> Plan:
                 modules=modules,
                 retained_bytes=sum(n.retained_bytes for n in members),
                 transient_bytes=max(n.transient_bytes for n in members),
+                peak_bytes=max(n.peak_bytes for n in members),
             )
         )
     return Plan(groups=result)

@@ -1,7 +1,7 @@
 """The memory-flow engine: finds each job's models, profiles them, cuts them into
 NodeGroups and gates each group's forward so that the jobs' memory flows between
 them under one budget (Waterwave, IEEE TC 72(10), 2023, "NodeGroup pipeline
-execution"; the admission rule is in wwrun/scheduler.py).
+execution"; the admission rule is in wwrun/memory/scheduler.py).
 
 How it hooks into unmodified scripts (see ../shared/facts.md, "Hooks"): through
 torch's *global* module forward hooks only, installed while a job runs, so nothing is
@@ -19,7 +19,7 @@ or `torch.export` is tracing.
    dtypes, grad mode) treats each submodule call as a node, and
    `saved_tensors_hooks` attribute the activation bytes saved for backward to the
    latest node, counted once per storage (parameters excluded). The pass's groups
-   come from wwrun/nodegroups.py. A new signature (a smaller last batch) is
+   come from wwrun/memory/nodegroups.py. A new signature (a smaller last batch) is
    profiled again.
 3. Gating. Afterwards the model's call and each group's entry module matter: the
    entry asks the scheduler for the group's growth and waits, on the job's own
@@ -27,21 +27,30 @@ or `torch.export` is tracing.
    thread): it only hands memory back, group by group, as the saved tensors die, and
    that wakes the waiting jobs.
 
-Memory of a job on the CPU is measured, not estimated: persistent bytes (parameters,
-buffers, gradients, optimizer state; at each optimizer step) plus the activations
-retained for backward (live saved tensors). On CUDA a `memory_probe(job)` (the
-allocator's per-job stats) reports memory instead; gating still uses the saved-tensor
-accounting, which is device-independent.
+Memory is the allocator's (`meter`, on both devices: every byte a job's tensors
+take, temporaries, gradients in flight and optimizer-step buffers included), read at
+NodeGroup boundaries, never per tensor:
+- persistent bytes P: the most the job holds when a pass starts with nothing saved
+  for backward (parameters, gradients, optimizer state, its data), and at least
+  what its parameters, gradients and optimizer state take;
+- a group's target: the most the job held above its pass-start bytes up to the end
+  of that group in the profiling pass (`Plan.targets`); the last group's target is
+  the job's claim A, the most it held above them over a whole iteration (forward,
+  backward, optimizer step), re-measured at every pass start;
+- backward keeps the target of the groups it has yet to free, then what the
+  optimizer step needs, until the step ends.
+Saved-tensor accounting (what autograd keeps) remains only to choose the partition
+and to see backward's progress. Without a meter (PyTorch's allocator), the engine
+counts persistent tensors and saved activations itself, as the groups' targets.
 
-Budget tolerance on the CPU (what tests/test_engine.py checks): passes of a profiled
-signature ask before they grow, so the budget holds exactly for fixed input shapes.
-Three things are measured only as they happen: a profiling pass (it checks after
-each module call, so it may overshoot by one module's activations before it waits),
-a newcomer's model (built by its script before wwrun sees it; a job is admitted only
-when one like the smallest seen so far would fit) and optimizer state beyond the
-guess made before the first step (Adam's two buffers per parameter). Gradients are
-reserved when the model is found. Transient memory (outputs not saved for backward,
-gradients in flight) is not part of the CPU budget.
+The allocator enforces the budget (a job that would overrun it waits for the
+frees other jobs' backward is about to make, rule f, then fails alone); the engine
+plans so that it need not. Three things are measured only as they happen: a
+profiling pass (it checks after each module call, so it may overshoot by one
+module's memory before it waits), a newcomer's model (built by its script before
+wwrun sees it; a job is admitted only when one like the smallest seen so far would
+fit) and optimizer state beyond the guess made before the first step (Adam's two
+buffers per parameter). Gradients are reserved when the model is found.
 
 Limitations: models first called after a job's first optimizer step are not found;
 forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
@@ -64,13 +73,18 @@ from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 
 from wwrun import libstate
-from wwrun.nodegroups import Node, Plan, explain_plan, make_plan
-from wwrun.scheduler import Decision, Scheduler
-from wwrun.trace import Timeline
+from wwrun.memory.nodegroups import Node, Plan, explain_plan, make_plan
+from wwrun.memory.scheduler import Decision, Scheduler
+from wwrun.memory.trace import Timeline
 
 WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
+
+SHARING_HEADROOM = 4 << 20
+"""Bytes each job keeps free when jobs share the budget, measured as the allocator's
+reserved-but-unallocated bytes per job on the CPU examples (one partly used small
+segment of 2 MiB and the tail of a medium one)."""
 
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
@@ -92,7 +106,7 @@ class NoRoomYet(JobTooLarge):
 
 @dataclass(eq=False)
 class _Model:
-    module: torch.nn.Module
+    module: torch.nn.Module | None  # None once its job ended
     label: str  # for the report: the class name, numbered when a job has several
     plans: dict[tuple, Plan] = field(default_factory=dict)
     entries: set[str] = field(default_factory=set)  # names of modules that start a group
@@ -141,6 +155,13 @@ class _Job:
     failed: str | None = None
     no_room: bool = False  # failed for want of room beside the others, not alone
     waiting_since: float = 0.0  # nonzero while a request of the job waits
+    # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
+    meter: Callable[[bool], tuple[int, int]] | None = None
+    baseline: int | None = None  # bytes when the current iteration's pass started
+    claim: int = 0  # the most held above `baseline` over an iteration
+    step_need: int = 0  # the most held above `baseline` from backward's end through the step
+    iter_peak: int = 0  # the most held since `baseline` was taken
+    grad_bytes: int = 0  # gradients at the latest walk
 
 
 class _Saved:
@@ -164,10 +185,12 @@ class Engine:
     policy          'waterwave' gates NodeGroups; other policies only measure
     nodegroups      groups per model (None: automatic, see nodegroups.auto_groups)
     queue           order of waiting jobs: 'fifo' or 'las'
-    device          'cpu' (memory measured here) or 'cuda' (memory from memory_probe)
+    device          'cpu' or 'cuda'
     trace           record spans for write_trace
     current_job     thread -> job name (default: set by job_started in that thread)
-    memory_probe    job name -> live bytes on the device (the allocator's stats)
+    meter           job name -> its allocator meter (wwrun.memory.allocator.job_meter),
+                    called when the job starts, after its thread is bound; None:
+                    no allocator to read, the engine counts tensors itself
     """
 
     def __init__(
@@ -180,7 +203,7 @@ class Engine:
         trace: bool = False,
         *,
         current_job: Callable[[], str | None] | None = None,
-        memory_probe: Callable[[str], int] | None = None,
+        meter: Callable[[str], Callable[[bool], tuple[int, int]]] | None = None,
     ):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -191,10 +214,13 @@ class Engine:
         self.gating = policy == "waterwave"
         self.nodegroups = nodegroups
         self.device = device
-        self.scheduler = Scheduler(capacity_bytes if self.gating else None, queue=queue)
+        # Measured by the allocator, jobs that share the budget each keep a headroom
+        # for what they leave free inside their own segments (fragmentation).
+        self.scheduler = Scheduler(capacity_bytes if self.gating else None, queue=queue,
+                                   headroom_per_job=SHARING_HEADROOM if meter is not None else 0)
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
-        self._probe = memory_probe
+        self._meter_of = meter
         self._cond = threading.Condition(threading.RLock())
         self._jobs: dict[str, _Job] = {}
         self._total = 0
@@ -223,6 +249,8 @@ class Engine:
             if earlier is not None and earlier.ended is None:  # an ended job may start again (a retry)
                 raise ValueError(f"job {name!r} was already started")
             job = _Job(name, priority, len(self._jobs), started=time.perf_counter())
+            if self._meter_of is not None:
+                job.meter = self._meter_of(name)
             self._jobs[name] = job
             self.timeline.track(name)
             self.scheduler.enqueue(name, priority)
@@ -249,6 +277,8 @@ class Engine:
                 self._end_pass(job, failed=True)
             for model in job.models:
                 self._forget(model)
+                model.module = None  # its plans stay for the report; its memory goes with the job
+            job.optimizers.clear()
             self._set_persistent(job, 0)
             job.discovering = False
             self.scheduler.finish(name)
@@ -428,13 +458,14 @@ class Engine:
         signature = _signature(args, kwargs)
         plan = model.plans.get(signature)
         now = time.perf_counter()
+        self._iteration_begins(job)
         job.current = current = _Pass(model, signature, plan, began=now, group_started=now)
         job.passes += 1
         try:
             if plan is None:
                 self._begin_profile(job, current)
             elif plan.groups:
-                self._gate(job, 0, plan.groups[0].retained_bytes, pass_start=True)
+                self._gate(job, 0, target=self._targets(job, plan)[0], pass_start=True)
         except BaseException:
             self._end_pass(job, failed=True)
             raise
@@ -467,23 +498,29 @@ class Engine:
                 self.scheduler.abort_profile(job.name)
             self.scheduler.add_service(job.name, now - current.began)
             plan = current.plan
+            keep = 0  # what the job still needs once forward ends: backward and the step
             if plan is not None and plan.groups:
                 label = f"fwd {current.model.label} g{current.group}"
                 self.timeline.span(job.name, label, current.group_started, now)
-                # Backward hands the groups back last to first; each crossing wakes waiters.
+                # Backward hands the groups back last to first; each crossing wakes
+                # waiters and lowers what the job keeps to what the groups before need.
+                targets = self._targets(job, plan)
                 marks, remaining = [], job.retained
                 for i in range(len(plan.groups) - 1, -1, -1):
                     remaining -= plan.groups[i].retained_bytes
-                    marks.append((max(remaining, 0), i, current.model.label))
+                    after = targets[i - 1] if i > 0 else job.step_need
+                    marks.append((max(remaining, 0), i, current.model.label, after if plan.measured else 0))
                 job.release_marks = marks
+                if plan.measured and not failed:
+                    keep = targets[-1]
             job.last_release = now
-            job.reserved = 0
+            job.reserved = keep
             self._report_held(job)
 
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
         with self._cond:
             self._persistent_admission(job)
-            self._gate(job, 0, 0, pass_start=True, profile=True)
+            self._gate(job, 0, pass_start=True, profile=True)
         job.profiles += 1
         model = current.model
         current.nodes.append(Node(""))
@@ -492,17 +529,27 @@ class Engine:
     def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
         if job.current is not current or self._job() is not job:
             return
+        self._measure_node(job, current)
         current.nodes.append(Node(name))
         # Growth is measured, not predicted, in a profiling pass: ask for what the
         # previous module kept (waits, or fails when it cannot fit even alone).
-        self._gate(job, 0, 0, profile=True)
+        self._gate(job, 0, target=self._held_now(job), profile=True)
 
     def _profile_output(self, current: _Pass, output) -> None:
         nbytes = sum(_nbytes(t) for t in _flat_tensors(output))
         node = current.nodes[-1]
         node.transient_bytes = max(node.transient_bytes, nbytes)
 
+    def _measure_node(self, job: _Job, current: _Pass) -> None:
+        """The allocator's most since the latest node began, as that node's peak."""
+        if job.meter is None or job.baseline is None or not current.nodes:
+            return
+        _, peak = job.meter(True)
+        node = current.nodes[-1]
+        node.peak_bytes = max(node.peak_bytes, peak - job.baseline, 1)
+
     def _finish_profile(self, job: _Job, current: _Pass) -> None:
+        self._measure_node(job, current)
         counts: dict[str, int] = {}
         for node in current.nodes:
             counts[node.module] = counts.get(node.module, 0) + 1
@@ -516,9 +563,11 @@ class Engine:
             if index > 0 and group.entry not in model.entries:
                 model.entries.add(group.entry)
                 self._entries[model.module.get_submodule(group.entry)] = (model, group.entry)
-        claim = job.retained
-        if self.device != "cpu":
-            claim += plan.transient_bytes  # the allocator sees transients too
+        if plan.measured:
+            job.claim = max(job.claim, plan.targets()[-1])
+            claim = job.claim
+        else:
+            claim = job.retained
         # Settled once its optimizer state exists (the first step) or, without one, at its next pass.
         self.scheduler.end_profile(job.name, claim, settled=False)
         self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
@@ -534,19 +583,27 @@ class Engine:
             return
         now = time.perf_counter()
         self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
-        growth = sum(g.retained_bytes for g in current.plan.groups[current.group + 1:index + 1])
-        self._gate(job, index, growth)
+        self._gate(job, index, target=self._targets(job, current.plan)[index])
         current.group, current.group_started = index, time.perf_counter()
 
     # ---- admission ----------------------------------------------------------------------
-    def _gate(self, job: _Job, group: int, growth: int, *, pass_start=False, profile=False) -> None:
-        """Wait, on the job's thread, until the scheduler grants `growth` more bytes."""
+    def _targets(self, job: _Job, plan: Plan) -> list[int]:
+        """What the job may hold above its pass-start bytes once in each group; the
+        last group holds the job's whole claim (backward and the step are not gated)."""
+        targets = plan.targets()
+        if targets and plan.measured:
+            targets[-1] = max(targets[-1], job.claim)
+        return targets
+
+    def _gate(self, job: _Job, group: int, *, target: int = 0, pass_start=False, profile=False) -> None:
+        """Wait, on the job's thread, until the scheduler lets the job hold `target`
+        activation bytes (at least what it holds already)."""
         if not self.gating:
             return
         with self._cond:
             if pass_start and not profile:
                 job.reserved = 0
-            want = max(job.retained, job.reserved) + growth
+            want = max(job.retained, job.reserved, target)
             started = time.perf_counter()
             while True:
                 decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
@@ -642,7 +699,8 @@ class Engine:
                 current = job.current
                 if current is not None and current.nodes:
                     current.nodes[-1].retained_bytes += nbytes
-                self._note_peaks(job)
+                if job.meter is None:  # the allocator's figures are read at group boundaries
+                    self._note_peaks(job)
         return _Saved(tensor, self, job, key, nbytes)
 
     def _unsave(self, job: _Job, key: int, nbytes: int) -> None:
@@ -656,7 +714,8 @@ class Engine:
             self._total -= nbytes
             crossed = False
             while job.release_marks and job.retained <= job.release_marks[0][0]:
-                _, group, label = job.release_marks.pop(0)
+                _, group, label, after = job.release_marks.pop(0)
+                job.reserved = min(job.reserved, after)
                 now = time.perf_counter()
                 self.timeline.span(job.name, f"bwd {label} g{group}", job.last_release, now)
                 job.last_release, crossed = now, True
@@ -675,7 +734,11 @@ class Engine:
         """An optimizer's first step creates its state: reserve it first (and wait
         for room), guessing Adam's two buffers per parameter; measured right after."""
         job = self._job()
-        if job is None or any(ref() is optimizer for ref in job.optimizers):
+        if job is None:
+            return
+        if job.meter is not None:
+            self._read(job, restart=True)  # the step's own window starts
+        if any(ref() is optimizer for ref in job.optimizers):
             return
         job.optimizers.append(weakref.ref(optimizer))
         stateless = sum(
@@ -699,12 +762,29 @@ class Engine:
         if job is None:
             return
         job.iterations += 1
+        after_step = 0
+        if job.meter is not None:
+            after_step, step_peak = job.meter(True)
+            job.iter_peak = max(job.iter_peak, step_peak)
+            if job.baseline is not None:
+                job.step_need = max(job.step_need, self._above(job, step_peak, after_step))
+                job.claim = max(job.claim, self._above(job, job.iter_peak, after_step))
+            if job.current is None and job.reserved:
+                with self._cond:  # the step is over: until the next pass, it needs nothing more
+                    job.reserved = 0
+                    self._report_held(job)
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
         if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
-            self._measure_persistent(job)
+            measured, _ = self._measure_persistent(job)
             with self._cond:
+                if job.meter is not None:
+                    # What it holds between steps, less the gradients zero_grad may free
+                    # (those count to the claim: backward makes them again).
+                    job.persistent_peak = max(job.persistent_peak, after_step - job.grad_bytes)
                 job.persistent_reserved = job.persistent_peak
+                if job.claim and job.name in self.scheduler.jobs:
+                    self.scheduler.raise_claim(job.name, job.claim)
                 if job.name in self.scheduler.jobs:
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
                     self.scheduler.settle(job.name)
@@ -718,7 +798,7 @@ class Engine:
         """Parameters, buffers, gradients and optimizer state, once per storage.
         Returns (bytes, bytes of the gradients backward has yet to create)."""
         seen: dict[int, int] = {}
-        missing_grads = 0
+        missing_grads = grads = 0
         for model in job.models:
             for tensor in _tensors_of(model.module):
                 if _nbytes(tensor):
@@ -726,6 +806,7 @@ class Engine:
                 grad = getattr(tensor, "grad", None)
                 if grad is not None and _nbytes(grad):
                     seen[_storage_key(grad)] = _nbytes(grad)
+                    grads += _nbytes(grad)
                 elif isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
                     missing_grads += tensor.numel() * tensor.element_size()
         for ref in job.optimizers:
@@ -735,9 +816,12 @@ class Engine:
                     if isinstance(value, torch.Tensor) and _nbytes(value):
                         seen[_storage_key(value)] = _nbytes(value)
         measured = sum(seen.values())
+        job.grad_bytes = grads
         with self._cond:
             self._set_persistent(job, measured)
-            job.persistent_peak = max(job.persistent_peak, measured)
+            # Measured by the allocator, gradients that zero_grad frees count to the
+            # claim (backward makes them again each iteration), not here.
+            job.persistent_peak = max(job.persistent_peak, measured if job.meter is None else measured - grads)
         return measured, missing_grads
 
     def _set_persistent(self, job: _Job, nbytes: int) -> None:
@@ -747,15 +831,53 @@ class Engine:
         self._sample(job)
 
     def _live(self, job: _Job) -> int:
-        if self._probe is not None:
-            return self._probe(job.name)
+        if job.meter is not None:
+            return job.meter(False)[0]
         return job.persistent + job.retained
+
+    def _read(self, job: _Job, restart: bool) -> int:
+        """The job's bytes now from the allocator, keeping the iteration's peak."""
+        now, peak = job.meter(restart)
+        job.iter_peak = max(job.iter_peak, peak)
+        return now
+
+    def _iteration_begins(self, job: _Job) -> None:
+        """A pass starts with nothing saved for backward: the previous iteration's
+        peak becomes the job's claim, and what it holds now its persistent bytes."""
+        if job.meter is None or job.retained:
+            return
+        now = self._read(job, restart=True)
+        with self._cond:
+            if job.baseline is not None:
+                job.claim = max(job.claim, self._above(job, job.iter_peak, now))
+                if job.name in self.scheduler.jobs and self.scheduler.jobs[job.name].claim is not None:
+                    self.scheduler.raise_claim(job.name, job.claim)
+            job.baseline = job.iter_peak = now
+            if now > job.persistent_peak:
+                job.persistent_peak = now
+                if job.iterations and job.name in self.scheduler.jobs:
+                    job.persistent_reserved = max(job.persistent_reserved, now)
+                    self.scheduler.set_persistent(job.name, job.persistent_reserved)
+
+    @staticmethod
+    def _above(job: _Job, peak: int, now: int) -> int:
+        """The most held over what stays: above the iteration's start or its end,
+        whichever is more (its first iteration creates optimizer state and gradients,
+        which are persistent bytes, not the claim)."""
+        return max(0, peak - max(job.baseline, now))
+
+    def _held_now(self, job: _Job) -> int:
+        """Activation bytes the job holds now: the allocator's above its pass start,
+        or the saved tensors without one."""
+        if job.meter is None or job.baseline is None:
+            return job.retained
+        return max(job.retained, self._read(job, restart=False) - job.baseline)
 
     def _note_peaks(self, job: _Job) -> None:
         live = self._live(job)
         if live > job.peak:
             job.peak = live
-        total = self._total if self._probe is None else sum(
+        total = self._total if job.meter is None else sum(
             self._live(j) for j in self._jobs.values() if j.ended is None)
         if total > self.peak_total:
             self.peak_total = total

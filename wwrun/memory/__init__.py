@@ -1,0 +1,327 @@
+"""The run's memory, behind one object the launcher holds (`Memory`).
+
+    allocator.py   the memory-flow allocator's Python face (C++ in csrc/allocator/):
+                   the source of truth about the bytes each job holds, on both devices
+    engine.py      finds each job's models, cuts them into NodeGroups, gates them
+    scheduler.py   admission of jobs and NodeGroups under the budget (no torch)
+    nodegroups.py  profiles -> balanced contiguous NodeGroups
+    trace.py       Perfetto trace and memory plot
+    offload.py     stash tensors in pinned host memory and back
+
+The launcher makes one `Memory` per run and, in each job's thread, holds a
+`JobMemory` session for the job's life (`with memory.session(spec): run the
+script`): it binds the thread (and the threads the job starts) to the job in the
+allocator, waits for the engine's admission, and on leaving hands everything back.
+
+One memory truth on both devices: on the CPU every tensor torch allocates goes
+through the allocator installed for the run (its capacity is `--memory-limit`, or
+most of what the machine can give), on CUDA through the allocator installed as
+PyTorch's. The engine reads each job's allocated bytes from it; the report's
+`peak_memory_bytes` is the allocator's, and `memory_limit_bytes` what it enforces.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+HOST_HEADROOM_FRACTION = 0.10
+"""Without --memory-limit, the CPU allocator keeps this share of what the machine can
+give (available memory, the address-space limit) for what is not torch's: thread
+stacks (OpenMP creates its threads at the first parallel region), Python objects,
+libraries. A job that outgrows the rest gets torch.OutOfMemoryError alone, instead of
+the machine refusing a thread and taking the whole process down."""
+
+HOST_HEADROOM_MIN = 512 << 20
+
+
+def host_capacity() -> int:
+    """Bytes the CPU allocator may hold for the run without --memory-limit: what the
+    machine can still give (available memory, under the address-space and cgroup
+    limits when set), less the headroom."""
+    import resource
+
+    can_give = _meminfo("MemAvailable") or host_total()
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        can_give = min(can_give, soft - mapped)
+    cgroup = _cgroup_room()
+    if cgroup is not None:
+        can_give = min(can_give, cgroup)
+    headroom = max(HOST_HEADROOM_MIN, int(can_give * HOST_HEADROOM_FRACTION))
+    return max(can_give - headroom, 64 << 20)
+
+
+def host_total() -> int:
+    """The machine's memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (Linux; psutil would cost every run its import)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup (v2) memory limit, if it has one."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return int(limit) - int(f.read().strip())
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+class Memory:
+    """The allocator, the budget and the engine of one run.
+
+    device      'cpu' or 'cuda'
+    limit       --memory-limit: bytes, or a fraction of the device's memory; None
+    policy      'waterwave' makes an engine that gates NodeGroups; the baselines
+                ('concurrent', 'sequential') only measure
+    note        prints a line to the user (the allocator could not be had, ...)
+    """
+
+    def __init__(
+        self,
+        device: str,
+        limit: int | float | None,
+        policy: str,
+        *,
+        nodegroups: int | None = None,
+        queue: str = "fifo",
+        trace: bool = False,
+        note: Callable[[str], None] = lambda line: None,
+        current_job: Callable[[], str | None] | None = None,
+    ):
+        self.device = device
+        self._note = note
+        self.allocator = self._install(limit)
+        self.limit = self._limit(limit)
+        self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
+        self._expected_releases: dict[str, int] = {}
+        self._job_limits: dict[str, int | None] = {}
+
+    # -- the run ------------------------------------------------------------------
+    def _device_total(self) -> int:
+        if self.device == "cuda":
+            import torch
+
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return host_total()
+
+    def _install(self, limit) -> str:
+        """wwrun's allocator for the run ('waterwave'), or PyTorch's ('native') when it
+        cannot be had, said once."""
+        from wwrun.config import resolve_size
+        from wwrun.memory import allocator
+
+        try:
+            if self.device == "cuda":
+                allocator.install()
+            else:
+                capacity = resolve_size(limit, self._device_total()) or host_capacity()
+                allocator.install_cpu_allocator(capacity)
+        except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
+            self._note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
+            return "native"
+        return "waterwave"
+
+    def _limit(self, limit) -> int | None:
+        """The bytes the run may use, enforced by the allocator and planned for by the
+        engine: --memory-limit; on CUDA the whole device without one; on the CPU
+        without one, none to plan for (the allocator still guards the machine)."""
+        from wwrun.config import resolve_size
+
+        total = self._device_total()
+        resolved = resolve_size(limit, total)
+        if self.device == "cuda":
+            if resolved is not None and self.allocator == "waterwave":
+                import torch
+
+                torch.cuda.set_per_process_memory_fraction(min(1.0, resolved / total))
+            return resolved or total
+        return resolved
+
+    def _make_engine(self, policy, nodegroups, queue, trace, current_job):
+        if policy != "waterwave":
+            return None
+        from wwrun.memory.engine import Engine
+
+        engine = Engine(
+            self.limit,
+            policy=policy,
+            nodegroups=nodegroups,
+            queue=queue,
+            device=self.device,
+            trace=trace,
+            current_job=current_job,
+            meter=self._meter if self.allocator == "waterwave" else None,
+        )
+        if self.allocator == "waterwave":
+            engine.release_listeners.append(self._expect_releases)
+        return engine
+
+    def close(self) -> None:
+        """The run ended: torch's own CPU allocator serves new tensors again (those
+        made meanwhile still free through ours)."""
+        if self.device == "cpu" and self.allocator == "waterwave":
+            from wwrun.memory import allocator
+
+            allocator.cpu_empty_cache()
+            allocator.uninstall_cpu_allocator()
+
+    # -- jobs -----------------------------------------------------------------------
+    def session(self, name: str, priority: int = 0, memory_limit: int | float | None = None) -> JobMemory:
+        return JobMemory(self, name, priority, memory_limit)
+
+    def join_thread(self, name: str) -> None:
+        """A thread the job started: its tensors count to the job, and it may wait for
+        other jobs' frees as the job's own thread does."""
+        if self.allocator == "waterwave":
+            from wwrun.memory import allocator
+
+            allocator.mark_job_thread(name, self._job_limits.get(name))
+
+    def _meter(self, name: str):
+        """The job's (allocated bytes now, most since the window restarted) reader."""
+        from wwrun.memory import allocator
+
+        return allocator.job_meter(name, self.device)
+
+    def _expect_releases(self, job: str, held: int) -> None:
+        """Backward progress, from the engine: jobs still holding activations are about
+        to free memory; the allocator's rule f waits for them before failing."""
+        from wwrun.memory import allocator
+
+        if held > 0:
+            self._expected_releases[job] = held
+        else:
+            self._expected_releases.pop(job, None)
+        releases = dict(self._expected_releases)
+        if self.device == "cuda":
+            allocator.set_expected_releases(releases)
+        else:
+            allocator.cpu_set_expected_releases(releases)
+
+    # -- figures --------------------------------------------------------------------
+    def job_figures(self, name: str) -> dict | None:
+        """The allocator's allocated_bytes figures of a job (current, peak, ...)."""
+        if self.allocator != "waterwave":
+            return None
+        from wwrun.memory import allocator
+
+        try:
+            stats = allocator.job_stats(name) if self.device == "cuda" else allocator.cpu_job_stats(name)
+        except ValueError:  # not registered yet
+            return None
+        return stats["allocated_bytes"]
+
+    def memory_of(self, name: str) -> int | None:
+        """A job's current bytes, for the live table; None while unknown."""
+        figures = self.job_figures(name)
+        if figures is not None:
+            return figures["current"]
+        return self.engine.memory_of(name) if self.engine is not None else None
+
+    def job_report(self, name: str, started: bool) -> dict:
+        """The report's memory fields of a job: the allocator's peak, the engine's
+        waits and NodeGroups."""
+        report = {}
+        if self.engine is not None and started:
+            try:
+                report.update(self.engine.job_report(name))
+            except KeyError:  # it failed before the engine saw it (no such script, ...)
+                pass
+        figures = self.job_figures(name)
+        if figures is not None:
+            report["peak_memory_bytes"] = figures["peak"]
+        return report
+
+    def run_report(self) -> dict:
+        report = {"memory_limit_bytes": self.limit, "allocator": self.allocator}
+        if self.engine is not None:
+            report.update(self.engine.run_report())
+        if self.allocator == "waterwave":
+            from wwrun.memory import allocator
+
+            stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
+            report["peak_memory_bytes"] = stats["device"]["allocated_bytes"]["peak"]
+            report["peak_reserved_bytes"] = stats["device"]["reserved_bytes"]["peak"]
+        return report
+
+
+class JobMemory:
+    """One job's memory session, entered and left on the job's own thread: the
+    thread is bound to the job in the allocator (its stream on CUDA), then the
+    engine admits the job (it may wait until the job fits beside the others);
+    leaving hands back every byte and wakes the others."""
+
+    def __init__(self, memory: Memory, name: str, priority: int, memory_limit):
+        self.memory = memory
+        self.name = name
+        self.priority = priority
+        self.memory_limit = memory_limit
+        self._bound = False
+
+    def __enter__(self) -> JobMemory:
+        memory = self.memory
+        if memory.allocator == "waterwave":
+            from wwrun.config import resolve_size
+            from wwrun.memory import allocator
+
+            limit = resolve_size(self.memory_limit, memory.limit or memory._device_total())
+            memory._job_limits[self.name] = limit
+            if memory.device == "cuda":
+                import torch
+
+                stream = allocator.new_job_stream() if hasattr(allocator, "new_job_stream") else torch.cuda.Stream()
+                allocator.register_stream(stream, self.name, limit)
+                torch.cuda.set_stream(stream)
+            allocator.mark_job_thread(self.name, limit)  # rule f may wait on this thread only
+            self._bound = True
+        elif memory.device == "cuda":
+            import torch
+
+            # Each job on its own stream: the legacy default stream would serialize them.
+            torch.cuda.set_stream(torch.cuda.Stream())
+        if memory.engine is not None:  # may wait until the job fits beside the others
+            memory.engine.job_started(self.name, self.priority)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        """Every byte the job reserved goes back; its memory passes to others zeroed."""
+        memory = self.memory
+        if memory.engine is not None:
+            memory.engine.job_finished(self.name)
+        if not self._bound:
+            return
+        self._bound = False
+        from wwrun.memory import allocator
+
+        allocator.unmark_job_thread()
+        if memory.device == "cuda":
+            allocator.unregister_job(self.name)
+        else:
+            allocator.cpu_unregister_job(self.name)
+            # What it left cached goes back to the machine (a sweep's queue would
+            # otherwise keep every ended job's high-water mark).
+            allocator.cpu_empty_cache()
