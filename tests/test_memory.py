@@ -1,0 +1,141 @@
+"""The run's memory as one truth (wwrun/memory/__init__.py): the allocator measures
+every byte on the CPU as on a GPU, the engine plans with its figures, and the run
+stays within --memory-limit as the allocator and the operating system see it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wwrun.memory import host_capacity
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CHECKOUT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _wwrun_measured(tmp_path: Path, *argv: str) -> tuple[dict, int]:
+    """Runs wwrun in a child: its report and the child's max resident bytes."""
+    report = tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}.json"
+    probe = (
+        "import resource, runpy, sys\n"
+        "sys.argv = ['wwrun'] + sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_module('wwrun', run_name='__main__')\n"
+        "finally:\n"
+        "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--device", "cpu", "--quiet", "--log-dir", str(tmp_path / "logs"),
+         "--report", str(report), *argv],
+        capture_output=True, text=True, timeout=300, env=_env(OMP_NUM_THREADS="1"),
+    )
+    assert report.is_file(), done.stderr
+    maxrss = int(done.stderr.rsplit("maxrss", 1)[1].split()[0]) * 1024  # Linux: KiB
+    return json.loads(report.read_text()), maxrss
+
+
+def _stdout(report: dict, job: dict) -> str:
+    return (Path(report["run"]["log_dir"]) / job["name"] / "stdout.log").read_text()
+
+
+def test_temporaries_the_engine_cannot_see_as_saved_tensors_stay_under_the_limit(tmp_path):
+    """Jobs whose forward makes a large temporary (not saved for backward): their
+    summed peaks are over the limit, yet all finish under it, as the allocator and
+    the operating system measure; without a limit the same jobs peak well above."""
+    script = str(SCRIPTS / "temporaries.py")
+    three = [script, ":", script, ":", script]
+    alone, alone_rss = _wwrun_measured(tmp_path, script)
+    solo = alone["run"]["peak_reserved_bytes"]
+    limit = 2 * solo  # two at once at most; three do not fit
+    unlimited, _ = _wwrun_measured(tmp_path, *three)
+    assert all(job["state"] == "succeeded" for job in unlimited["jobs"])
+    assert unlimited["run"]["peak_reserved_bytes"] > limit  # so this test can fail
+
+    limited, limited_rss = _wwrun_measured(tmp_path, "--memory-limit", str(limit), *three)
+    assert [job["state"] for job in limited["jobs"]] == ["succeeded"] * 3, [j["error"] for j in limited["jobs"]]
+    assert limited["run"]["memory_limit_bytes"] == limit
+    assert limited["run"]["peak_memory_bytes"] <= limited["run"]["peak_reserved_bytes"] <= limit
+    # The process as the OS sees it: one job's resident memory, plus at most the rest
+    # of the limit, plus a stated slack for what is not torch's (three jobs' Python
+    # state, their threads and log pipes).
+    slack = 48 * MiB
+    assert limited_rss <= alone_rss + (limit - solo) + slack, (limited_rss / MiB, alone_rss / MiB)
+    losses = {_stdout(limited, job) for job in limited["jobs"]}
+    assert losses == {_stdout(alone, alone["jobs"][0])}  # the same numerics as alone
+
+
+def test_a_job_that_allocates_until_the_machine_refuses_ends_alone(tmp_path):
+    """Under an address-space limit, one job takes all it can while the other then
+    starts OpenMP's threads (its first parallel region). Without wwrun's CPU
+    allocator the machine refuses the threads and libgomp ends the whole process;
+    with it, the greedy job is refused by the allocator, with room left for threads."""
+    baseline = subprocess.run(
+        [sys.executable, "-c", "import torch, wwrun.memory.allocator; print(open('/proc/self/statm').read())"],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )
+    mapped = int(baseline.stdout.split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + 1536 * MiB
+    script = (
+        "import resource, runpy, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, resource.RLIM_INFINITY))\n"
+        "sys.argv = ['wwrun'] + sys.argv[1:]\n"
+        "runpy.run_module('wwrun', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "--device", "cpu", "--log-dir", str(tmp_path / "logs"),
+         str(SCRIPTS / "squeeze" / "hog.py"), ":", str(SCRIPTS / "squeeze" / "calm.py")],
+        capture_output=True, text=True, timeout=300,
+        env=_env(SQUEEZE_DIR=str(tmp_path), OMP_NUM_THREADS="4"),
+    )
+    assert "Thread creation failed" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[hog] refused after" in done.stdout
+    assert re.search(r"^\[calm\] threads \d+ done$", done.stdout, re.M)
+
+
+def test_without_a_limit_the_cpu_allocator_keeps_room_for_what_is_not_torch_s():
+    available = host_capacity()
+    assert 0 < available
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        pytest.skip("this process already runs under an address-space limit")
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 2048 * MiB, hard))
+    try:
+        capped = host_capacity()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert capped <= 2048 * MiB - 512 * MiB  # under the limit, less the headroom
+    assert capped < available
+
+
+def test_a_job_s_own_threads_count_to_the_job(tmp_path):
+    """Tensors a job's threads make count to the job (and to its peak), not to
+    nobody: the report's peak holds the thread's 64 MiB."""
+    script = tmp_path / "threaded.py"
+    script.write_text(
+        "import threading, torch\n"
+        "held = []\n"
+        "t = threading.Thread(target=lambda: held.append(torch.ones(16 << 20)))\n"
+        "t.start(); t.join()\n"
+        "print(int(held[0].sum()))\n"
+    )
+    report, _ = _wwrun_measured(tmp_path, str(script))
+    (job,) = report["jobs"]
+    assert job["state"] == "succeeded"
+    assert job["peak_memory_bytes"] >= 64 * MiB
