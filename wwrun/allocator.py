@@ -301,9 +301,16 @@ class HostAllocator:
     def process_events(self) -> None:
         self._impl.process_events()
 
-    def empty_cache(self) -> int:
-        """Releases wholly free segments (rule e on demand); returns the bytes released."""
-        return self._impl.empty_cache()
+    def empty_cache(self, job: str | None = None) -> int:
+        """Releases wholly free segments (rule e on demand); returns the bytes released.
+        With `job`, only the segments holding that job's data alone, as a job's
+        torch.cuda.empty_cache() does: other jobs keep their cache."""
+        return self._impl.empty_cache(None if job is None else self._job_id(job))
+
+    def cache_info(self, stream: int) -> int:
+        """What cacheInfo tells cuDNN on `stream`: the largest block it could get,
+        capped at its job's headroom (its limit, and the device less what all hold)."""
+        return self._impl.cache_info(stream)
 
     def write(self, ptr: int, data: bytes) -> None:
         self._impl.write(ptr, data)
@@ -328,13 +335,13 @@ class HostAllocator:
 
     def reset_peak_stats(self, job: str | None = None) -> None:
         """Peaks back to current figures: one job's, or (None) the device's and every job's."""
-        if job is None:
-            self._impl.reset_peak(None)
-            return
+        self._impl.reset_peak(None if job is None else self._job_id(job))
+
+    def _job_id(self, job: str) -> int:
         job_id = self._impl.find_job(_check_job(job))
         if job_id is None:
             raise ValueError(f"unknown job {job!r}")
-        self._impl.reset_peak(job_id)
+        return job_id
 
     def benchmark_trace(self, sizes: list[int], window: int, repeats: int, stream: int = 0) -> float:
         """Seconds for `repeats` passes of alloc/free pairs over `sizes`, keeping
