@@ -377,8 +377,8 @@ def test_job_streams_are_dedicated_and_a_live_job_s_stream_is_refused():
         print(json.dumps({"refused": refused, "distinct": len({s.cuda_stream for s in streams}),
                           "total": total, "held": held, "reused": reused}))
     """)
-    assert out == {"refused": True, "distinct": 40, "total": float(1 << 20), "held": 4 << 20,
-                   "reused": True}
+    assert out["refused"] and out["distinct"] == 40 and out["reused"]
+    assert out["total"] == float(1 << 20) and out["held"] >= 4 << 20
 
 
 @pytest.mark.gpu

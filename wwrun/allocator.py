@@ -559,16 +559,19 @@ def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
             _job_stream_of.setdefault((device, job), []).append(handle)
 
 
-_scrub_streams: dict[int, torch.cuda.Stream] = {}
+_scrub_streams: dict[int, torch.cuda.ExternalStream] = {}
 _scrub_streams_lock = threading.Lock()
 
 
-def _scrub_stream(device: int) -> torch.cuda.Stream:
-    """The device's scrub stream, made once: no job's work queues on it, so a
-    scrub waits only on the blocks it zeroes."""
+def _scrub_stream(device: int) -> torch.cuda.ExternalStream:
+    """The device's scrub stream, made once and not one of torch's pool (a
+    script's torch.cuda.Stream() could be handed it): no job's work queues on
+    it, so a scrub waits only on the blocks it zeroes."""
     with _scrub_streams_lock:
         if device not in _scrub_streams:
-            _scrub_streams[device] = torch.cuda.Stream(device=device)
+            handle = _cuda().create_job_stream(device)
+            where = torch.device("cuda", device)
+            _scrub_streams[device] = torch.cuda.ExternalStream(handle, device=where)
         return _scrub_streams[device]
 
 
@@ -599,8 +602,8 @@ def _warm_up_libraries(index: int) -> None:
     with torch.cuda.device(index):
         x = torch.ones(8, 8, device="cuda")
         (x @ x).sum().item()
-        conv = torch.nn.functional.conv2d(torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda"))
-        conv.sum().item()
+        image, kernel = torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")
+        torch.nn.functional.conv2d(image, kernel).sum().item()
         torch.cuda.synchronize()
 
 
