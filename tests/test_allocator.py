@@ -454,6 +454,8 @@ def test_a_job_s_own_side_stream_counts_to_it_and_flows_unzeroed_within_it():
     other = in_thread("B", lambda: alloc.alloc_traced(4096, side_b))
     assert other.ptr == ptr and other.zeroed and alloc.read(ptr, 4096) == bytes(4096)
     assert alloc.job_stats("B")["allocated_bytes"]["current"] == 4096
+    with pytest.raises(ValueError, match="held by live job 'A'"):
+        alloc.register_stream(side_a, "C")  # a live job's side stream is its own too
     alloc.unregister_job("A")  # unbinds its side stream: the next job's thread takes it
     alloc.register_stream(C, "C")
     in_thread("C", lambda: alloc.alloc(4096, side_a))
@@ -486,6 +488,8 @@ def test_a_side_stream_two_live_jobs_share_never_passes_data_between_them():
     alloc.free(ptr)
     again = in_thread(None, lambda: alloc.alloc_traced(4096, shared))  # default to default
     assert again.ptr == ptr and again.zeroed
+    with pytest.raises(ValueError, match="held by several live jobs"):
+        alloc.register_stream(shared, "C")
 
 
 def test_cache_info_caps_cudnn_at_the_calling_job_s_headroom():

@@ -763,13 +763,21 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
   // A stream a live job holds is that job's owner: rebinding it would let the
   // two jobs pass memory between them unzeroed (torch's stream pool recycles
   // streams after 32, so a sweep's 33rd job can be handed the 1st job's).
+  // A live job's side stream (Note [Side streams]) is held by it just the same.
   auto bound = stream_jobs_.find(stream);
-  if (bound != stream_jobs_.end() && jobs_[bound->second].active &&
-      jobs_[bound->second].name != name) {
-    throw std::invalid_argument("wwrun allocator: stream is held by live job '" +
-                                jobs_[bound->second].name + "'; cannot bind it to '" + name +
-                                "'");
+  auto side = side_streams_.find(stream);
+  std::string holder;  // as the message names it
+  if (bound != stream_jobs_.end() && jobs_[bound->second].active) {
+    holder = "live job '" + jobs_[bound->second].name + "'";
+  } else if (side != side_streams_.end()) {
+    holder = side->second == kSharedStream ? "several live jobs"
+                                           : "live job '" + jobs_[side->second].name + "'";
   }
+  if (!holder.empty() && holder != "live job '" + name + "'") {
+    throw std::invalid_argument("wwrun allocator: stream is held by " + holder +
+                                "; cannot bind it to '" + name + "'");
+  }
+  if (side != side_streams_.end()) side_streams_.erase(side);  // its own side stream
   JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
   if (job == static_cast<JobId>(jobs_.size())) {
     JobStats stats;

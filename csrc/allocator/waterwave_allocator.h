@@ -100,7 +100,8 @@
 // Note [Side streams]: a job's own extra streams (a script's torch.cuda.Stream())
 // are never registered. Such a stream belongs to the job whose marked thread
 // (mark_job_thread) first allocates on it, so its memory counts to that job and
-// flows unzeroed within it; the job's end unbinds it. torch recycles its pool
+// flows unzeroed within it; the job's end unbinds it, and until then no other
+// job may register it. torch recycles its pool
 // streams, so two live jobs may both use one: the first allocation on it from
 // another job's thread makes it shared, and from then on each allocation counts
 // to the calling thread's job, and an unmarked thread's (the autograd thread's)
@@ -327,7 +328,8 @@ class MemoryFlowAllocator {
   void record_stream(void* ptr, StreamId stream);
 
   // Binds `stream` to job `name`, creating or re-activating the job; `limit`
-  // (bytes, 0: none) replaces the job's limit. Returns the job's id.
+  // (bytes, 0: none) replaces the job's limit. Returns the job's id. Throws
+  // std::invalid_argument for a stream another live job holds.
   JobId register_stream(StreamId stream, const std::string& name, std::size_t limit);
   // Unbinds the job's streams; its figures stay in the stats. False if unknown.
   bool unregister_job(const std::string& name);
