@@ -417,6 +417,114 @@ def test_a_stream_a_live_job_holds_is_not_rebound_to_another_job():
     assert "C" in alloc.stats()["jobs"]
 
 
+def in_thread(job, fn):
+    """fn() on a new thread marked as `job`'s (None: unmarked, like the autograd
+    thread); returns its result."""
+    result = []
+
+    def body():
+        if job is not None:
+            mark_job_thread(job)
+        result.append(fn())
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_a_job_s_own_side_stream_counts_to_it_and_flows_unzeroed_within_it():
+    """Note [Side streams]: a script's own stream belongs to the job whose thread
+    first allocates on it, so memory moves unzeroed within the job only."""
+    alloc = two_jobs()
+    side_a, side_b = 42, 43
+
+    def job_a_side():
+        ptr = alloc.alloc(4096, side_a)
+        fill(alloc, ptr, 4096, 0xAB)
+        held = alloc.job_stats("A")["allocated_bytes"]["current"]
+        alloc.free(ptr)
+        return ptr, held
+
+    ptr, held = in_thread("A", job_a_side)
+    assert held == 4096 and alloc.job_stats("default")["allocated_bytes"]["peak"] == 0
+    mine = in_thread("A", lambda: alloc.alloc_traced(4096, A))  # its main stream
+    assert mine.ptr == ptr and not mine.zeroed
+    alloc.free(mine.ptr)
+    other = in_thread("B", lambda: alloc.alloc_traced(4096, side_b))
+    assert other.ptr == ptr and other.zeroed and alloc.read(ptr, 4096) == bytes(4096)
+    assert alloc.job_stats("B")["allocated_bytes"]["current"] == 4096
+    with pytest.raises(ValueError, match="held by live job 'A'"):
+        alloc.register_stream(side_a, "C")  # a live job's side stream is its own too
+    alloc.unregister_job("A")  # unbinds its side stream: the next job's thread takes it
+    alloc.register_stream(C, "C")
+    in_thread("C", lambda: alloc.alloc(4096, side_a))
+    assert alloc.job_stats("C")["allocated_bytes"]["current"] == 4096
+
+
+def test_a_side_stream_two_live_jobs_share_never_passes_data_between_them():
+    """torch's pool recycles streams, so two live jobs' scripts may both get one:
+    a block freed there by one job comes back zeroed to the other, and to an
+    unmarked (autograd) thread that could be working for either."""
+    alloc = two_jobs()
+    shared = 44
+
+    def leave_secret():
+        ptr = alloc.alloc(4096, shared)
+        fill(alloc, ptr, 4096, 0x5A)
+        alloc.free(ptr)
+        return ptr
+
+    ptr = in_thread("A", leave_secret)
+    got = in_thread("B", lambda: alloc.alloc_traced(4096, shared))
+    assert (got.ptr, got.rule, got.zeroed) == (ptr, "a", True)
+    assert alloc.read(ptr, 4096) == bytes(4096)
+    assert alloc.job_stats("B")["allocated_bytes"]["current"] == 4096
+    fill(alloc, ptr, 4096, 0x5A)
+    alloc.free(ptr)
+    autograd = in_thread(None, lambda: alloc.alloc_traced(4096, shared))
+    assert autograd.ptr == ptr and autograd.zeroed
+    fill(alloc, ptr, 4096, 0x5A)
+    alloc.free(ptr)
+    again = in_thread(None, lambda: alloc.alloc_traced(4096, shared))  # default to default
+    assert again.ptr == ptr and again.zeroed
+    with pytest.raises(ValueError, match="held by several live jobs"):
+        alloc.register_stream(shared, "C")
+
+
+def test_cache_info_caps_cudnn_at_the_calling_job_s_headroom():
+    """cuDNN's benchmark mode sizes its workspace by cacheInfo: a job is told no
+    more than its limit leaves it, nor more than the device less what all hold."""
+    alloc = HostAllocator(256 * MiB)
+    alloc.register_stream(A, "A")
+    alloc.register_stream(B, "B", memory_limit=16 * MiB)
+    alloc.register_stream(C, "C")
+    held = alloc.alloc(200 * MiB, A)
+    assert alloc.cache_info(C) == 56 * MiB
+    assert alloc.cache_info(B) == 16 * MiB
+    alloc.alloc(10 * MiB, B)
+    assert alloc.cache_info(B) == 6 * MiB
+    alloc.free(held)  # cached now: a block C could get at once
+    assert alloc.cache_info(C) == 200 * MiB
+
+
+def test_a_job_s_empty_cache_releases_only_its_own_idle_segments():
+    """A job's torch.cuda.empty_cache() neither takes other jobs' cache away nor
+    waits on their streams."""
+    alloc = two_jobs()
+    a, b = alloc.alloc(12 * MiB, A), alloc.alloc(12 * MiB, B)  # a segment each
+    alloc.hold(A)  # A is busy with its block: releasing it would wait on A
+    alloc.free(a)
+    alloc.free(b)
+    completed = alloc.completed_event(A)
+    assert alloc.empty_cache("B") == 12 * MiB
+    assert alloc.completed_event(A) == completed  # never waited on A's work
+    assert [s["base"] for s in alloc.segments()] == [a]
+    assert alloc.alloc_traced(12 * MiB, A).ptr == a  # A's cache is still there
+    with pytest.raises(ValueError, match="unknown job"):
+        alloc.empty_cache("nobody")
+
+
 def test_bad_input_gives_clear_errors():
     alloc = two_jobs()
     with pytest.raises(ValueError, match="did not allocate"):

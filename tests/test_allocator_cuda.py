@@ -43,12 +43,14 @@ def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path)
         shim.parent.mkdir(parents=True)
         shim.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes.append(str(tmp_path))
-    # C++20, as torch.utils.cpp_extension builds extensions for torch 2.13.
-    flags = ["-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DTORCH_EXTENSION_NAME=check"]
-    flags += [f"-I{path}" for path in includes]
+    # C++20, as torch.utils.cpp_extension builds extensions for torch 2.13; to
+    # objects, as far as a machine without CUDA torch's libraries can go.
+    # -Woverloaded-virtual: an overload of torch's interface left hidden.
+    flags = ["-std=c++20", "-c", "-fPIC", "-Wall", "-Woverloaded-virtual", "-Werror"]
+    flags += ["-DTORCH_EXTENSION_NAME=check"] + [f"-I{path}" for path in includes]
 
     def compile_one(name):
-        cmd = ["g++", *flags, str(source_dir() / name)]
+        cmd = ["g++", *flags, str(source_dir() / name), "-o", str(tmp_path / f"{name}.o")]
         return name, subprocess.run(cmd, capture_output=True, text=True)
 
     units = ["allocator_core.cpp", "cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
@@ -72,6 +74,78 @@ def test_install_and_job_functions_give_clear_errors():
         with pytest.raises(RuntimeError, match="no CUDA support"):
             wa.install()
     assert not wa.is_installed()
+
+
+class FakeCudaModule:
+    """The CUDA extension's stream and job calls, for the Python logic around them."""
+
+    def __init__(self):
+        self.made = 0
+        self.bound = {}
+
+    def create_job_stream(self, device):
+        self.made += 1
+        return 0x1000 * self.made
+
+    def register_stream(self, device, handle, job, limit):
+        self.bound[handle] = job
+
+    def unregister_job(self, device, job):
+        self.bound = {h: j for h, j in self.bound.items() if j != job}
+        return True
+
+    def take_dirty_blocks(self, device, job, handle):
+        return [], []
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import torch
+
+    import wwrun.allocator as wa
+
+    module = FakeCudaModule()
+    monkeypatch.setattr(wa, "_cuda", lambda: module)
+    monkeypatch.setattr(wa, "_scrub_stream", lambda index: type("S", (), {"cuda_stream": 1})())
+    monkeypatch.setattr(wa, "_idle_job_streams", {})
+    monkeypatch.setattr(wa, "_made_job_streams", set())
+    monkeypatch.setattr(wa, "_job_stream_of", {})
+    monkeypatch.setattr(
+        torch.cuda, "ExternalStream",
+        lambda handle, device: type("X", (), {"cuda_stream": handle, "device": device})(),
+    )
+    return module
+
+
+def test_every_live_job_gets_its_own_stream_and_an_ended_job_s_goes_to_the_next(fake_cuda):
+    """torch.cuda.Stream() would give a sweep's 33rd job the 1st job's stream."""
+    import wwrun.allocator as wa
+
+    streams = [wa.new_job_stream(0) for _ in range(40)]
+    for number, stream in enumerate(streams):
+        wa.register_stream(stream, f"job{number}")
+    assert len({s.cuda_stream for s in streams}) == 40 == fake_cuda.made
+    wa.unregister_job("job7", device=0)
+    again = wa.new_job_stream(0)
+    assert again.cuda_stream == streams[7].cuda_stream and fake_cuda.made == 40
+    assert wa.new_job_stream(0).cuda_stream not in {s.cuda_stream for s in streams}
+
+
+def test_device_capacity_is_free_memory_plus_what_the_allocator_holds_less_headroom(monkeypatch):
+    import torch
+
+    import wwrun.allocator as wa
+
+    MiB = 1 << 20
+    warmed = []
+    monkeypatch.setattr(wa, "_warm_up_libraries", warmed.append)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (6000 * MiB, 8000 * MiB))
+    monkeypatch.setattr(wa, "is_installed", lambda: True)
+    monkeypatch.setattr(wa, "stats", lambda index: {"device": {"reserved_bytes": {"current": 1000 * MiB}}})
+    assert wa.device_capacity(0) == 7000 * MiB - wa.CAPACITY_HEADROOM_BYTES
+    assert wa.device_capacity(0, headroom=0) == 7000 * MiB and warmed == [0, 0]
+    with pytest.raises(ValueError, match="headroom"):
+        wa.device_capacity(0, headroom=-1)
 
 
 def run_fresh(body: str) -> dict:
@@ -279,3 +353,149 @@ def test_cudnn_benchmark_beside_a_job_holding_half_the_device():
         print(json.dumps({"intact": bool((half == 7).all()), "grad": x.grad is not None}))
     """)
     assert out == {"intact": True, "grad": True}
+
+
+@pytest.mark.gpu
+def test_job_streams_are_dedicated_and_a_live_job_s_stream_is_refused():
+    """torch's pool hands out its 32 streams again; new_job_stream never hands out
+    a live job's, and register_stream refuses a stream a live job holds."""
+    out = run_fresh("""
+        pool = [torch.cuda.Stream() for _ in range(33)]
+        wa.register_stream(pool[0], "first")
+        try:
+            wa.register_stream(pool[32], "thirty-third"); refused = pool[32].cuda_stream != pool[0].cuda_stream
+        except ValueError:
+            refused = True
+        streams = [wa.new_job_stream() for _ in range(40)]
+        for number, stream in enumerate(streams):
+            wa.register_stream(stream, f"job{number}")
+        with torch.cuda.stream(streams[5]):
+            t = torch.ones(1 << 20, device="cuda"); total = t.sum().item(); del t
+        held = wa.job_stats("job5")["allocated_bytes"]["peak"]
+        wa.unregister_job("job5")
+        reused = wa.new_job_stream().cuda_stream == streams[5].cuda_stream
+        print(json.dumps({"refused": refused, "distinct": len({s.cuda_stream for s in streams}),
+                          "total": total, "held": held, "reused": reused}))
+    """)
+    assert out["refused"] and out["distinct"] == 40 and out["reused"]
+    assert out["total"] == float(1 << 20) and out["held"] >= 4 << 20
+
+
+@pytest.mark.gpu
+def test_a_job_s_side_stream_counts_to_the_job():
+    out = run_fresh("""
+        def job():
+            stream = wa.new_job_stream(); wa.register_stream(stream, "A"); wa.mark_job_thread("A")
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                t = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+                results["mine"] = wa.job_stats("A")["allocated_bytes"]["current"]
+                results["seen"] = torch.cuda.memory_allocated()
+        results = {}
+        thread = threading.Thread(target=job); thread.start(); thread.join()
+        results["default"] = wa.job_stats("default")["allocated_bytes"]["peak"]
+        print(json.dumps(results))
+    """)
+    assert out == {"mine": 3 << 20, "seen": 3 << 20, "default": 0}
+
+
+@pytest.mark.gpu
+def test_cudnn_benchmark_stays_within_the_job_s_limit():
+    """cacheInfo is capped at the job's headroom: a limited job's benchmark mode
+    tries no workspace beyond its limit, so it never fails for it."""
+    out = run_fresh("""
+        torch.backends.cudnn.benchmark = True
+        stream = wa.new_job_stream(); wa.register_stream(stream, "B", memory_limit=512 << 20)
+        with torch.cuda.stream(stream):
+            conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
+            x = torch.randn(16, 64, 64, 64, device="cuda", requires_grad=True)
+            for _ in range(3):
+                conv(x).square().mean().backward()
+            torch.cuda.synchronize()
+        stats = wa.job_stats("B")
+        print(json.dumps({"peak": stats["allocated_bytes"]["peak"], "ooms": stats["num_ooms"]}))
+    """)
+    assert out["ooms"] == 0 and out["peak"] <= 512 << 20
+
+
+@pytest.mark.gpu
+def test_a_job_s_empty_cache_leaves_other_jobs_cache():
+    out = run_fresh("""
+        s1, s2 = wa.new_job_stream(), wa.new_job_stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        with torch.cuda.stream(s1):
+            a = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(s2):
+            b = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # a segment each
+        with torch.cuda.stream(s1):
+            del a
+        with torch.cuda.stream(s2):
+            del b
+            before = torch.cuda.memory_reserved()
+            torch.cuda.empty_cache()
+            after = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()  # the launcher's thread: every idle segment
+        print(json.dumps({"before": before, "after": after, "end": torch.cuda.memory_reserved()}))
+    """)
+    assert out["before"] - out["after"] == 64 << 20 and out["end"] == 0
+
+
+@pytest.mark.gpu
+def test_memory_snapshot_shows_real_segments():
+    """torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (the memory
+    visualizer's input) read our segments and blocks."""
+    out = run_fresh("""
+        side = torch.cuda.Stream()
+        keep = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        small = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        pending = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        pending.record_stream(side)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+        del pending
+        segments = torch.cuda.memory_snapshot()
+        full = torch.cuda.memory._snapshot()
+        states = sorted({b["state"] for s in segments for b in s["blocks"]})
+        ok = all(sum(b["size"] for b in s["blocks"]) == s["total_size"] and
+                 s["blocks"][0]["address"] == s["address"] for s in segments)
+        print(json.dumps({"n": len(segments), "ok": ok, "states": states,
+                          "types": sorted({s["segment_type"] for s in segments}),
+                          "allocated": sum(s["allocated_size"] for s in segments),
+                          "keys": sorted(full), "history": torch._C._cuda_isHistoryEnabled(),
+                          "reserved": torch.cuda.memory_reserved(),
+                          "total": sum(s["total_size"] for s in segments)}))
+    """)
+    assert out["n"] >= 2 and out["ok"] and out["types"] == ["large", "small"]
+    assert "active_allocated" in out["states"] and "active_pending_free" in out["states"]
+    assert out["allocated"] == (3 << 20) + 1024 and out["total"] == out["reserved"]
+    assert {"segments", "device_traces"} <= set(out["keys"]) and out["history"] is False
+
+
+@pytest.mark.gpu
+def test_tensors_alive_at_exit_free_quietly():
+    """A DataPtr deleter never throws; at exit, with the CUDA runtime unloading,
+    a free is a no-op, not an error."""
+    script = textwrap.dedent("""
+        import torch, wwrun.allocator as wa
+        wa.install()
+        kept = [torch.ones(1 << 20, device="cuda") for _ in range(4)]
+        side = torch.cuda.Stream()
+        kept[0].record_stream(side)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0 and "leaking" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_device_capacity_after_warm_up():
+    out = run_fresh("""
+        capacity = wa.device_capacity()
+        free, total = torch.cuda.mem_get_info()
+        print(json.dumps({"capacity": capacity, "free": free, "total": total,
+                          "reserved": torch.cuda.memory_reserved(),
+                          "headroom": wa.CAPACITY_HEADROOM_BYTES}))
+    """)
+    assert 0 < out["capacity"] <= out["total"] - out["headroom"]
+    assert out["capacity"] == out["free"] + out["reserved"] - out["headroom"]

@@ -66,7 +66,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   Allocation out;
   Lock lock(mutex_);
   note_stream(stream);
-  const JobId job = job_of_stream_locked(stream);
+  const JobId job = job_for_allocation_locked(stream);
   auto check_limit = [&] {
     if (over_limit(job, size)) {
       out_of_memory(job, bytes, size,
@@ -207,7 +207,7 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
 
 Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, bool small,
                                         StreamId stream) {
-  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, small};
+  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, small, stream};
   auto* block = new Block;
   block->ptr = segment->base;
   block->size = bytes;
@@ -268,10 +268,11 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
     block->event = nullptr;
   }
 
-  // Zeroed unless provably the same job's: a default-job block (unregistered
-  // streams) moving to another stream may cross jobs.
+  // Zeroed unless provably the same job's: a default-job block moving to another
+  // stream, or on a stream two jobs share, may cross jobs (Note [Side streams]).
   out.zeroed = block->owner != kClean &&
-               (block->owner != job || (job == kDefaultJob && block->stream != stream));
+               (block->owner != job ||
+                (job == kDefaultJob && (block->stream != stream || is_shared_stream(stream))));
   if (out.zeroed) {
     stats_.scrubbed_bytes += static_cast<std::int64_t>(block->size);
     jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(block->size);
@@ -707,18 +708,21 @@ void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId 
 // Rule e: releasing wholly free segments
 // ---------------------------------------------------------------------------
 
-std::size_t MemoryFlowAllocator::release_free_segments() {
+std::size_t MemoryFlowAllocator::release_free_segments(std::optional<JobId> job) {
   Lock lock(mutex_);
-  return release_free_segments_locked(lock);
+  return release_free_segments_locked(lock, job);
 }
 
-std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock) {
+std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock,
+                                                              std::optional<JobId> job) {
   record_lazy_events();  // a victim's event must exist before it can be waited on
   process_events_locked();
   std::vector<Block*> victims;
   for (auto& [base, segment] : segments_) {
     Block* block = segment->head;
-    if (block->next == nullptr && is_idle_free(block)) {
+    // A job's own: its data alone, last used on its stream, so the wait below
+    // is on that job's work only.
+    if (block->next == nullptr && is_idle_free(block) && (!job || block->owner == *job)) {
       victims.push_back(block);
     }
   }
@@ -760,13 +764,21 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
   // A stream a live job holds is that job's owner: rebinding it would let the
   // two jobs pass memory between them unzeroed (torch's stream pool recycles
   // streams after 32, so a sweep's 33rd job can be handed the 1st job's).
+  // A live job's side stream (Note [Side streams]) is held by it just the same.
   auto bound = stream_jobs_.find(stream);
-  if (bound != stream_jobs_.end() && jobs_[bound->second].active &&
-      jobs_[bound->second].name != name) {
-    throw std::invalid_argument("wwrun allocator: stream is held by live job '" +
-                                jobs_[bound->second].name + "'; cannot bind it to '" + name +
-                                "'");
+  auto side = side_streams_.find(stream);
+  std::string holder;  // as the message names it
+  if (bound != stream_jobs_.end() && jobs_[bound->second].active) {
+    holder = "live job '" + jobs_[bound->second].name + "'";
+  } else if (side != side_streams_.end()) {
+    holder = side->second == kSharedStream ? "several live jobs"
+                                           : "live job '" + jobs_[side->second].name + "'";
   }
+  if (!holder.empty() && holder != "live job '" + name + "'") {
+    throw std::invalid_argument("wwrun allocator: stream is held by " + holder +
+                                "; cannot bind it to '" + name + "'");
+  }
+  if (side != side_streams_.end()) side_streams_.erase(side);  // its own side stream
   JobId job = find_job_locked(name).value_or(static_cast<JobId>(jobs_.size()));
   if (job == static_cast<JobId>(jobs_.size())) {
     JobStats stats;
@@ -791,8 +803,10 @@ bool MemoryFlowAllocator::unregister_job(const std::string& name) {
   auto job = find_job_locked(name);
   if (!job || *job == kDefaultJob) return false;
   jobs_[*job].active = false;
-  for (auto it = stream_jobs_.begin(); it != stream_jobs_.end();) {
-    it = it->second == *job ? stream_jobs_.erase(it) : std::next(it);
+  for (auto* bindings : {&stream_jobs_, &side_streams_}) {
+    for (auto it = bindings->begin(); it != bindings->end();) {
+      it = it->second == *job ? bindings->erase(it) : std::next(it);
+    }
   }
   return true;
 }
@@ -803,8 +817,45 @@ JobId MemoryFlowAllocator::job_of_stream(StreamId stream) const {
 }
 
 JobId MemoryFlowAllocator::job_of_stream_locked(StreamId stream) const {
-  auto it = stream_jobs_.find(stream);
-  return it == stream_jobs_.end() ? kDefaultJob : it->second;
+  auto registered = stream_jobs_.find(stream);
+  if (registered != stream_jobs_.end()) return registered->second;
+  const JobId thread = thread_job_locked();
+  if (thread != kDefaultJob) return thread;
+  auto side = side_streams_.find(stream);
+  return side == side_streams_.end() || side->second == kSharedStream ? kDefaultJob
+                                                                       : side->second;
+}
+
+// The calling thread's job when it is marked as a live job's thread.
+JobId MemoryFlowAllocator::thread_job_locked() const {
+  if (!options_.thread_job) return kDefaultJob;
+  const std::string name = options_.thread_job();
+  if (name.empty()) return kDefaultJob;
+  const std::optional<JobId> job = find_job_locked(name);
+  return job && jobs_[*job].active ? *job : kDefaultJob;
+}
+
+// Note [Side streams]. Registered streams are dedicated to their job, whichever
+// thread allocates (the autograd thread does, for every job).
+JobId MemoryFlowAllocator::job_for_allocation_locked(StreamId stream) {
+  auto registered = stream_jobs_.find(stream);
+  if (registered != stream_jobs_.end()) return registered->second;
+  const JobId thread = thread_job_locked();
+  auto side = side_streams_.find(stream);
+  if (side == side_streams_.end()) {
+    if (thread != kDefaultJob) side_streams_.emplace(stream, thread);
+    return thread;
+  }
+  if (side->second == kSharedStream) return thread;
+  // An unmarked thread (autograd) works for the job whose thread runs there.
+  if (thread == kDefaultJob || thread == side->second) return side->second;
+  side->second = kSharedStream;
+  return thread;
+}
+
+bool MemoryFlowAllocator::is_shared_stream(StreamId stream) const {
+  auto side = side_streams_.find(stream);
+  return side != side_streams_.end() && side->second == kSharedStream;
 }
 
 std::optional<JobId> MemoryFlowAllocator::find_job(const std::string& name) const {
@@ -842,6 +893,23 @@ Snapshot MemoryFlowAllocator::snapshot() const {
   return snap;
 }
 
+std::size_t MemoryFlowAllocator::largest_block_for(StreamId stream, std::size_t device_free,
+                                                   std::size_t device_total) const {
+  const std::size_t largest = std::max(largest_free_block(), device_free);
+  Lock lock(mutex_);
+  const JobStats& job = jobs_[job_of_stream_locked(stream)];
+  const auto held_by = [](const Stat& stat) { return static_cast<std::size_t>(stat.current); };
+  const std::size_t capacity =
+      options_.reserved_limit != 0 ? options_.reserved_limit : device_total;
+  const std::size_t all_held = held_by(stats_.allocated_bytes);
+  std::size_t headroom = capacity > all_held ? capacity - all_held : 0;
+  if (job.limit != 0) {
+    const std::size_t mine = held_by(job.allocated_bytes);
+    headroom = std::min(headroom, job.limit > mine ? job.limit - mine : 0);
+  }
+  return std::min(largest, headroom);
+}
+
 std::size_t MemoryFlowAllocator::largest_free_block() const {
   Lock lock(mutex_);
   std::size_t largest = 0;
@@ -858,11 +926,13 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
   Lock lock(mutex_);
   std::vector<SegmentInfo> result;
   for (const auto& [base, segment] : segments_) {
-    SegmentInfo info{reinterpret_cast<std::uintptr_t>(segment->base), segment->size, {}};
+    SegmentInfo info{reinterpret_cast<std::uintptr_t>(segment->base), segment->size,
+                     segment->stream, segment->small, {}};
     for (const Block* block = segment->head; block != nullptr; block = block->next) {
       info.blocks.push_back({reinterpret_cast<std::uintptr_t>(block->ptr), block->size,
                              block->allocated, block->event != nullptr || block->deferred,
-                             block->in_scrub, block->stream, block->owner});
+                             block->in_scrub, block->deferred, block->stream, block->owner,
+                             block->allocated ? block->requested : 0});
     }
     result.push_back(std::move(info));
   }

@@ -75,13 +75,17 @@ inline py::list segments_list(const std::vector<SegmentInfo>& segments) {
       b["allocated"] = block.allocated;
       b["pending"] = block.pending;
       b["in_scrub"] = block.in_scrub;
+      b["deferred"] = block.deferred;
       b["stream"] = block.stream;
       b["owner"] = block.owner;
+      b["requested"] = block.requested;
       blocks.append(b);
     }
     py::dict s;
     s["base"] = segment.base;
     s["size"] = segment.size;
+    s["stream"] = segment.stream;
+    s["small"] = segment.small;
     s["blocks"] = blocks;
     result.append(s);
   }

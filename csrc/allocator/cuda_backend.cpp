@@ -11,10 +11,11 @@ namespace wwrun::alloc {
 namespace {
 
 void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " +
-                             cudaGetErrorString(status));
-  }
+  if (status == cudaSuccess) return;
+  (void)cudaGetLastError();  // not left for torch's next launch check to report
+  if (status == cudaErrorCudartUnloading) throw CudartUnloading(what);
+  throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " +
+                           cudaGetErrorString(status));
 }
 
 cudaStream_t as_stream(StreamId stream) { return reinterpret_cast<cudaStream_t>(stream); }
@@ -94,6 +95,13 @@ void CudaBackend::event_synchronize(EventHandle event) {
 void CudaBackend::stream_wait_event(StreamId stream, EventHandle event) {
   DeviceScope scope(device_);
   check(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0), "cudaStreamWaitEvent");
+}
+
+StreamId create_job_stream(int device) {
+  DeviceScope scope(device);
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  return reinterpret_cast<StreamId>(stream);
 }
 
 void CudaBackend::memset_zero(void* ptr, std::size_t bytes, StreamId stream) {

@@ -3,9 +3,18 @@
 // runtime API (no torch header), one backend per device.
 #pragma once
 
+#include <stdexcept>
+
 #include "backend.h"
 
 namespace wwrun::alloc {
+
+// Thrown by a call made while the CUDA runtime unloads at process exit: the
+// memory goes away with the process, so a free that meets it is a no-op.
+class CudartUnloading : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 class CudaBackend : public Backend {
  public:
@@ -26,5 +35,10 @@ class CudaBackend : public Backend {
  private:
   int device_;
 };
+
+// A new non-blocking stream on `device`, for one job at a time: torch's pool
+// (torch.cuda.Stream()) recycles its 32 streams per priority, so a sweep's 33rd
+// job would get the 1st job's stream, and jobs are told apart by stream.
+StreamId create_job_stream(int device);
 
 }  // namespace wwrun::alloc

@@ -1,6 +1,7 @@
 // Python module for the CUDA build: install the allocator into PyTorch, bind
 // job streams, read the figures. Streams are passed as integers (cuda_stream).
 #include "bindings_common.h"
+#include "cuda_backend.h"
 #include "python_wait_hooks.h"
 #include "torch_cuda_allocator.h"
 
@@ -19,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                               std::size_t limit) {
     return tc::core(device).register_stream(stream, job, limit);
   });
+  m.def("create_job_stream", &wwrun::alloc::create_job_stream);
   m.def("unregister_job", [](int device, const std::string& job) {
     return tc::core(device).unregister_job(job);
   });

@@ -13,7 +13,9 @@ namespace wwrun::alloc {
 class HostAllocator {
  public:
   HostAllocator(std::size_t capacity, std::size_t reserved_limit)
-      : backend_(capacity), allocator_(backend_, Options{reserved_limit, 2.0, python_wait_hooks()}) {}
+      : backend_(capacity),
+        allocator_(backend_, Options{reserved_limit, 2.0, python_wait_hooks(),
+                                     [] { return job_thread_mark(); }}) {}
 
   HostBackend& backend() { return backend_; }
   MemoryFlowAllocator& allocator() { return allocator_; }
@@ -112,9 +114,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("process_events", [](HostAllocator& self) { self.allocator().process_events(); })
       .def("empty_cache",
-           [](HostAllocator& self) {
+           [](HostAllocator& self, std::optional<int> job) {
              py::gil_scoped_release released;
-             return self.allocator().release_free_segments();
+             return self.allocator().release_free_segments(job);
+           },
+           py::arg("job") = py::none())
+      .def("cache_info",
+           [](HostAllocator& self, StreamId stream) {
+             const std::size_t capacity = self.backend().capacity();
+             const std::size_t used = self.backend().used_bytes();
+             return self.allocator().largest_block_for(stream, capacity - used, capacity);
            })
       .def("snapshot",
            [](HostAllocator& self) {

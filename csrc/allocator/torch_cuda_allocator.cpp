@@ -3,14 +3,19 @@
 // Installed in place of c10's CUDACachingAllocator (before CUDA is initialised),
 // every torch.cuda memory function keeps working: memory_allocated,
 // max_memory_allocated, memory_reserved, memory_stats, reset_peak_memory_stats,
-// empty_cache, Tensor.record_stream, and cacheInfo (used by cuDNN benchmark
-// mode). Called from a job's thread, the stats report that job's own figures:
-// the job is found from the thread's current stream (jobs are told apart by
-// stream); an unregistered stream (the launcher's own thread) sees the device.
+// empty_cache, Tensor.record_stream, memory_snapshot, and cacheInfo (used by
+// cuDNN benchmark mode). Called from a job's thread, the stats report that
+// job's own figures, empty_cache releases only that job's idle segments, and
+// cacheInfo is capped at the job's headroom: the job is found from the
+// thread's current stream, else from the thread's mark (Note [Side streams]);
+// the launcher's own thread sees the device.
 //
 // Reference: c10/cuda/CUDACachingAllocator.h of the installed torch; the
 // interface changes between versions, so differences are guarded with
-// WWRUN_TORCH_AT_LEAST (only 2.13 has been compiled against).
+// WWRUN_TORCH_AT_LEAST. Compiled against the headers of torch 2.11, 2.12 and
+// 2.13: 2.12 added attachOomRejectionObserver (pure virtual); 2.13 added only
+// virtuals with defaults (markCaptureBegin/End, getContextForPointer,
+// allocateWithAddress).
 #include <cstdio>
 #include "torch_cuda_allocator.h"
 
@@ -49,6 +54,7 @@ using c10::MempoolId_t;
 namespace {
 
 void delete_ptr(void* ptr) noexcept;
+static_assert(noexcept(delete_ptr(nullptr)), "a DataPtr deleter must never throw");
 
 // Copies our figures into c10's shape; every pool slot gets the aggregate.
 c10::CachingDeviceAllocator::StatArray stat_array(const Stat& stat) {
@@ -63,6 +69,34 @@ c10::CachingDeviceAllocator::StatArray stat_array(const Stat& stat) {
 }
 
 constexpr int kMaxDevices = 64;  // as c10's C10_COMPILE_TIME_MAX_GPUS
+
+// One segment in c10's snapshot shape. c10 gives a block's address as the
+// segment's plus the sizes before it, so blocks go in address order. "active"
+// is c10's allocated-or-pending-free: a freed block still in use on other
+// streams (record_stream) is active_pending_free.
+c10::CachingDeviceAllocator::SegmentInfo segment_info(DeviceIndex device,
+                                                      const SegmentInfo& segment) {
+  c10::CachingDeviceAllocator::SegmentInfo info;
+  info.device = device;
+  info.address = segment.base;
+  info.total_size = segment.size;
+  info.stream = reinterpret_cast<void*>(segment.stream);
+  info.is_large = !segment.small;
+  for (const BlockInfo& block : segment.blocks) {
+    c10::CachingDeviceAllocator::BlockInfo out;
+    out.size = block.size;
+    out.requested_size = block.requested;
+    out.allocated = block.allocated;
+    out.active = block.allocated || block.deferred;
+    if (out.allocated) {
+      info.allocated_size += block.size;
+      info.requested_size += block.requested;
+    }
+    if (out.active) info.active_size += block.size;
+    info.blocks.push_back(std::move(out));
+  }
+  return info;
+}
 
 class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
  public:
@@ -79,6 +113,7 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
       auto* backend = new CudaBackend(device);
       Options options;
       options.wait_hooks = python_wait_hooks();
+      options.thread_job = [] { return job_thread_mark(); };
       existing = new MemoryFlowAllocator(*backend, options);
       cores_[device].store(existing, std::memory_order_release);
     }
@@ -115,10 +150,14 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     }
   }
 
-  // The job whose figures the calling thread sees, from its current stream.
+  static StreamId current_stream(DeviceIndex device) {
+    return reinterpret_cast<StreamId>(c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  // The job whose figures the calling thread sees: its current stream's, or its
+  // mark's (MemoryFlowAllocator::job_of_stream); none for the launcher's thread.
   std::optional<JobId> calling_job(DeviceIndex device) {
-    auto stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    const JobId job = core(device).job_of_stream(reinterpret_cast<StreamId>(stream));
+    const JobId job = core(device).job_of_stream(current_stream(device));
     if (job == kDefaultJob) return std::nullopt;
     return job;
   }
@@ -139,13 +178,23 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   // c10::DeviceAllocator
   bool initialized() override { return initialized_; }
   void emptyCache(MempoolId_t /*mempool_id*/) override {
-    for_each_core([](MemoryFlowAllocator& core) { core.release_free_segments(); });
+    // A job releases only the segments it left idle: other jobs keep their
+    // cache, and the release waits on no other job's stream.
+    for (int device = 0; device < kMaxDevices; ++device) {
+      MemoryFlowAllocator* core = cores_[device].load(std::memory_order_acquire);
+      if (core != nullptr) core->release_free_segments(calling_job(device));
+    }
   }
   void recordStream(const DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     // Memory not from us (from_blob, another allocator) is not ours to track.
     if (ptr.get() == nullptr || ptr.get_deleter() != &delete_ptr) return;
     core(stream.device_index())
         .record_stream(ptr.get(), reinterpret_cast<StreamId>(stream.stream()));
+  }
+  // The device-generic overload (DeviceAllocator) that torch's generic code
+  // calls; declaring the CUDAStream one above hides it, so it is restated.
+  void recordStream(const DataPtr& ptr, c10::Stream stream) override {
+    recordStream(ptr, c10::cuda::CUDAStream(stream));
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
     const Snapshot snap = core(device).snapshot();
@@ -215,11 +264,12 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   void enable(bool value) override { enabled_ = value; }
   bool isEnabled() const override { return enabled_; }
   void cacheInfo(DeviceIndex device, std::size_t* largest_block) override {
-    // cuDNN sizes its benchmark workspace from this: the largest block we could
-    // hand out without a new segment, or what the device still has free.
-    std::size_t largest = core(device).largest_free_block();
-    std::size_t device_free = getMemoryInfo(device).first;
-    *largest_block = std::max(largest, device_free);
+    // cuDNN sizes its benchmark workspace from this: the largest block the
+    // calling job could get, capped at its headroom, so that one job's
+    // benchmark cannot starve the others or stall waiting for their frees.
+    const auto [device_free, device_total] = getMemoryInfo(device);
+    *largest_block =
+        core(device).largest_block_for(current_stream(device), device_free, device_total);
   }
   void* getBaseAllocation(void* ptr, std::size_t* size) override {
     void* base = nullptr;
@@ -229,10 +279,21 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     TORCH_CHECK(base != nullptr, "wwrun allocator: pointer not allocated by it");
     return base;
   }
-  c10alloc::SnapshotInfo snapshot(MempoolId_t /*mempool_id*/, bool /*include_traces*/) override {
-    // Segment-level snapshots are not exported yet; see wwrun.allocator.stats().
-    return {};
+  // Segments and blocks in c10's shape, so torch.cuda.memory_snapshot() and the
+  // memory visualizer read them; no traces (history is not recorded).
+  c10alloc::SnapshotInfo snapshot(MempoolId_t mempool_id, bool /*include_traces*/) override {
+    c10alloc::SnapshotInfo info{};
+    if (mempool_id != MempoolId_t{0, 0}) return info;  // no private pools
+    for (int device = 0; device < kMaxDevices; ++device) {
+      MemoryFlowAllocator* core = cores_[device].load(std::memory_order_acquire);
+      if (core == nullptr) continue;
+      for (const SegmentInfo& segment : core->segments()) {
+        info.segments.push_back(segment_info(static_cast<DeviceIndex>(device), segment));
+      }
+    }
+    return info;
   }
+  bool isHistoryEnabled() override { return false; }
   void beginAllocateToPool(DeviceIndex, MempoolId_t, std::function<bool(cudaStream_t)>) override {
     TORCH_CHECK(false, unsupported("CUDA graphs and private memory pools"));
   }
@@ -257,7 +318,7 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   void attachOutOfMemoryObserver(c10alloc::OutOfMemoryObserver observer) override {
     oom_observers_.push_back(std::move(observer));
   }
-#if WWRUN_TORCH_AT_LEAST(2, 13)
+#if WWRUN_TORCH_AT_LEAST(2, 12)
   void attachOomRejectionObserver(c10alloc::OomRejectionObserver) override {
     // We never reject an allocation preemptively; nothing to report.
   }
@@ -310,6 +371,8 @@ WaterwaveCUDAAllocator* the_allocator = nullptr;
 void delete_ptr(void* ptr) noexcept {
   try {
     the_allocator->free_ptr(ptr);
+  } catch (const CudartUnloading&) {
+    // Process exit: nothing to free, nothing to report.
   } catch (const std::exception& error) {
     std::fprintf(stderr, "wwrun allocator: leaking a block that could not be freed: %s\n",
                  error.what());

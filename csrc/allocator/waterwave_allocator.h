@@ -53,7 +53,7 @@
 //   in scrub  a free block of an ended job being zeroed by a batched scrub: in no
 //             pool, never handed out, coalesced or released until finish_scrub.
 //   Job       a named user of the allocator; streams are bound to jobs, and an
-//             unbound stream belongs to job 0, "default".
+//             unbound stream belongs to job 0, "default" (Note [Side streams]).
 //
 // Note [Owners]: a free block's owner is the job whose data it holds, kClean for
 // zeroed memory, or kMixed after coalescing blocks of different jobs. Mixed blocks
@@ -96,6 +96,18 @@
 // (module globals dropped later), or that were mixed with another job's data,
 // are zeroed at hand-out. Bytes are counted by kind: scrubbed_bytes (memset at
 // hand-out) and batch_scrubbed_bytes (batched, charged to the ended job).
+//
+// Note [Side streams]: a job's own extra streams (a script's torch.cuda.Stream())
+// are never registered. Such a stream belongs to the job whose marked thread
+// (mark_job_thread) first allocates on it, so its memory counts to that job and
+// flows unzeroed within it; the job's end unbinds it, and until then no other
+// job may register it. torch recycles its pool
+// streams, so two live jobs may both use one: the first allocation on it from
+// another job's thread makes it shared, and from then on each allocation counts
+// to the calling thread's job, and an unmarked thread's (the autograd thread's)
+// to "default", whose hand-overs on a shared stream are always zeroed. The
+// default job's hand-overs between streams are zeroed too: unregistered streams
+// are not provably one job's.
 //
 // Note [Locking]: one mutex per allocator. It is never held across a call that
 // can block (segment_alloc/free, event_synchronize, memset of host memory), nor
@@ -178,6 +190,7 @@ struct Segment {
   std::size_t size = 0;
   Block* head = nullptr;
   bool small = false;  // serves requests <= kSmallRequestBytes only
+  StreamId stream = 0;  // the stream it was created for (memory snapshots)
 };
 
 // Best-fit order; lower_bound(n) with a size finds the smallest block >= n.
@@ -250,12 +263,16 @@ struct BlockInfo {
   bool allocated;
   bool pending;
   bool in_scrub;
+  bool deferred;  // freed, waiting for record_stream uses on other streams
   StreamId stream;
   JobId owner;
+  std::size_t requested;  // allocated: bytes asked for
 };
 struct SegmentInfo {
   std::uintptr_t base;
   std::size_t size;
+  StreamId stream;  // the stream it was created for
+  bool small;
   std::vector<BlockInfo> blocks;
 };
 
@@ -291,6 +308,9 @@ struct Options {
   std::size_t reserved_limit = 0;  // bytes of segments the allocator may hold; 0: none
   double release_wait_s = 2.0;     // rule f's bound
   WaitHooks wait_hooks;
+  // The job the calling thread runs (mark_job_thread), or empty; unset: threads
+  // are not told apart (Note [Side streams]).
+  std::function<std::string()> thread_job;
 };
 
 class MemoryFlowAllocator {
@@ -311,10 +331,13 @@ class MemoryFlowAllocator {
   void record_stream(void* ptr, StreamId stream);
 
   // Binds `stream` to job `name`, creating or re-activating the job; `limit`
-  // (bytes, 0: none) replaces the job's limit. Returns the job's id.
+  // (bytes, 0: none) replaces the job's limit. Returns the job's id. Throws
+  // std::invalid_argument for a stream another live job holds.
   JobId register_stream(StreamId stream, const std::string& name, std::size_t limit);
   // Unbinds the job's streams; its figures stay in the stats. False if unknown.
   bool unregister_job(const std::string& name);
+  // The job whose figures a thread on `stream` sees: the stream's registered
+  // job, else the calling thread's job, else its side-stream job, else default.
   JobId job_of_stream(StreamId stream) const;
   std::optional<JobId> find_job(const std::string& name) const;
   // A job's allocated bytes now and at most since its window last restarted;
@@ -340,8 +363,16 @@ class MemoryFlowAllocator {
   // Records lazily held events (Note [Lazy events]), then moves free blocks
   // whose events completed to the ready pool.
   void process_events();
-  // Rule e on demand (empty_cache): releases wholly free segments. Returns bytes.
-  std::size_t release_free_segments();
+  // Rule e on demand (empty_cache): releases wholly free segments, or with `job`
+  // only those holding that job's data alone (a job's empty_cache must not take
+  // other jobs' cache away, nor wait on their streams). Returns bytes.
+  std::size_t release_free_segments(std::optional<JobId> job = std::nullopt);
+  // cacheInfo for a thread on `stream` (cuDNN sizes benchmark workspaces by it):
+  // the largest block it could get, cached or fresh (`device_free`), capped at
+  // its job's headroom: the job's limit less what it holds, and the capacity
+  // (the reserved limit, else `device_total`) less what all jobs hold.
+  std::size_t largest_block_for(StreamId stream, std::size_t device_free,
+                                std::size_t device_total) const;
 
   Snapshot snapshot() const;
   std::vector<SegmentInfo> segments() const;
@@ -383,7 +414,11 @@ class MemoryFlowAllocator {
   void merge_into(Block* survivor, Block* absorbed);
   void fifo_push_after(StreamPool& pool, Block* after, Block* block);
   void fifo_remove(StreamPool& pool, Block* block);
-  std::size_t release_free_segments_locked(Lock& lock);
+  std::size_t release_free_segments_locked(Lock& lock,
+                                           std::optional<JobId> job = std::nullopt);
+  JobId thread_job_locked() const;
+  JobId job_for_allocation_locked(StreamId stream);
+  bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
                          std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
@@ -419,7 +454,10 @@ class MemoryFlowAllocator {
   std::size_t reserving_bytes_ = 0;  // segments being obtained with the lock released
 
   std::vector<JobStats> jobs_;
-  std::unordered_map<StreamId, JobId> stream_jobs_;
+  std::unordered_map<StreamId, JobId> stream_jobs_;  // registered streams
+  // Note [Side streams]: unregistered streams a job's thread allocated on.
+  static constexpr JobId kSharedStream = -3;  // used by threads of two live jobs
+  std::unordered_map<StreamId, JobId> side_streams_;
   DeviceStats stats_;
 };
 

@@ -7,9 +7,10 @@ The allocator itself is C++ (`csrc/allocator/`, policy a-g at the top of
 - `HostAllocator`: the allocator on host memory with simulated streams and events,
   for tests and the host benchmark; needs no CUDA.
 - `install()`: replaces PyTorch's CUDA caching allocator, before any CUDA work.
-  Then `register_stream` / `unregister_job` (called by the launcher from each
-  job's thread), `stats`, `job_stats`, `set_expected_releases` (rule f, called by
-  the scheduler).
+  Then `new_job_stream` (a dedicated stream per job), `register_stream` /
+  `unregister_job` (called by the launcher from each job's thread), `stats`,
+  `job_stats`, `set_expected_releases` (rule f, called by the scheduler), and
+  `device_capacity` (what the device can really give the jobs).
 
 When a job ends, `unregister_job` scrubs the free blocks still holding its data in
 one launch of `triton_kernels.zero_ranges_` on a dedicated scrub stream (Note
@@ -40,6 +41,7 @@ __all__ = [
     "cpu_set_expected_releases",
     "cpu_stats",
     "cpu_unregister_job",
+    "device_capacity",
     "install",
     "install_cpu_allocator",
     "is_cpu_allocator_installed",
@@ -48,6 +50,7 @@ __all__ = [
     "job_meter",
     "job_stats",
     "mark_job_thread",
+    "new_job_stream",
     "register_stream",
     "set_expected_releases",
     "source_dir",
@@ -63,6 +66,14 @@ _CPU_SOURCES = ["host_backend.cpp", "cpu_allocator.cpp"]
 _CUDA_SOURCES = ["cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
 _CXX_FLAGS = ["-O3", "-Wall"]  # the language standard is torch's choice
 DEFAULT_RELEASE_WAIT_S = 2.0
+# device_capacity keeps this much back: memory the driver takes after the
+# warm-up, outside any allocator. Each job thread gets its own cuBLAS/cuBLASLt
+# and cuDNN handles, and kernels load lazily on first use (CUDA_MODULE_LOADING=
+# LAZY, CUDA's default): a mix of models' first forward and backward loads
+# hundreds of kernels. Together typically a few hundred MiB; a job that finds
+# the device fuller than the budget says fails with an error from the driver,
+# not one of ours, so this errs on the large side.
+CAPACITY_HEADROOM_BYTES = 512 << 20
 
 _build_lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -302,9 +313,16 @@ class HostAllocator:
     def process_events(self) -> None:
         self._impl.process_events()
 
-    def empty_cache(self) -> int:
-        """Releases wholly free segments (rule e on demand); returns the bytes released."""
-        return self._impl.empty_cache()
+    def empty_cache(self, job: str | None = None) -> int:
+        """Releases wholly free segments (rule e on demand); returns the bytes released.
+        With `job`, only the segments holding that job's data alone, as a job's
+        torch.cuda.empty_cache() does: other jobs keep their cache."""
+        return self._impl.empty_cache(None if job is None else self._job_id(job))
+
+    def cache_info(self, stream: int) -> int:
+        """What cacheInfo tells cuDNN on `stream`: the largest block it could get,
+        capped at its job's headroom (its limit, and the device less what all hold)."""
+        return self._impl.cache_info(stream)
 
     def write(self, ptr: int, data: bytes) -> None:
         self._impl.write(ptr, data)
@@ -329,13 +347,13 @@ class HostAllocator:
 
     def reset_peak_stats(self, job: str | None = None) -> None:
         """Peaks back to current figures: one job's, or (None) the device's and every job's."""
-        if job is None:
-            self._impl.reset_peak(None)
-            return
+        self._impl.reset_peak(None if job is None else self._job_id(job))
+
+    def _job_id(self, job: str) -> int:
         job_id = self._impl.find_job(_check_job(job))
         if job_id is None:
             raise ValueError(f"unknown job {job!r}")
-        self._impl.reset_peak(job_id)
+        return job_id
 
     def benchmark_trace(self, sizes: list[int], window: int, repeats: int, stream: int = 0) -> float:
         """Seconds for `repeats` passes of alloc/free pairs over `sizes`, keeping
@@ -524,25 +542,56 @@ def _device_index(device) -> int:
     return torch.device(device).index or 0
 
 
+# Job streams (new_job_stream): made by the extension, never destroyed but
+# reused once their job ended. A destroyed stream's handle can come back from
+# the driver for a new stream, which the allocator would take for the old one
+# (rule a: "stream order makes it safe") while the old one's work still runs.
+_job_streams_lock = threading.Lock()
+_idle_job_streams: dict[int, list[int]] = {}  # device -> handles of ended jobs' streams
+_made_job_streams: set[tuple[int, int]] = set()  # (device, handle) made here
+_job_stream_of: dict[tuple[int, str], list[int]] = {}  # (device, job) -> its handles
+
+
+def new_job_stream(device=None) -> torch.cuda.ExternalStream:
+    """A stream no live job holds, for one job (torch.cuda.ExternalStream): jobs
+    are told apart by stream, and torch.cuda.Stream() recycles torch's 32
+    streams per priority, so a sweep's 33rd job would get the 1st job's. Made
+    with cudaStreamNonBlocking; after `unregister_job` of the job it was
+    registered to, it goes to a later job."""
+    module, index = _cuda(), _device_index(device)
+    with _job_streams_lock:
+        idle = _idle_job_streams.setdefault(index, [])
+        handle = idle.pop() if idle else module.create_job_stream(index)
+        _made_job_streams.add((index, handle))
+    return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+
+
 def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
     """Binds a job's CUDA stream (torch.cuda.Stream or its cuda_stream integer) to
-    `job`; allocations on it count to the job and obey its `memory_limit` bytes."""
+    `job`; allocations on it count to the job and obey its `memory_limit` bytes.
+    A stream a live job holds is refused (ValueError)."""
     module = _cuda()
     handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)
     device = stream.device.index if hasattr(stream, "device") else torch.cuda.current_device()
     module.register_stream(device, handle, _check_job(job), _check_bytes(memory_limit))
+    with _job_streams_lock:
+        if (device, handle) in _made_job_streams:
+            _job_stream_of.setdefault((device, job), []).append(handle)
 
 
-_scrub_streams: dict[int, torch.cuda.Stream] = {}
+_scrub_streams: dict[int, torch.cuda.ExternalStream] = {}
 _scrub_streams_lock = threading.Lock()
 
 
-def _scrub_stream(device: int) -> torch.cuda.Stream:
-    """The device's scrub stream, made once: no job's work queues on it, so a
-    scrub waits only on the blocks it zeroes."""
+def _scrub_stream(device: int) -> torch.cuda.ExternalStream:
+    """The device's scrub stream, made once and not one of torch's pool (a
+    script's torch.cuda.Stream() could be handed it): no job's work queues on
+    it, so a scrub waits only on the blocks it zeroes."""
     with _scrub_streams_lock:
         if device not in _scrub_streams:
-            _scrub_streams[device] = torch.cuda.Stream(device=device)
+            handle = _cuda().create_job_stream(device)
+            where = torch.device("cuda", device)
+            _scrub_streams[device] = torch.cuda.ExternalStream(handle, device=where)
         return _scrub_streams[device]
 
 
@@ -561,6 +610,38 @@ def unregister_job(job: str, device=None) -> None:
         torch.device("cuda", index),
         stream,
     )
+    # Its streams (new_job_stream) go to later jobs; work still queued on them
+    # orders before theirs, and blocks it left are zeroed for them (its data).
+    with _job_streams_lock:
+        _idle_job_streams.setdefault(index, []).extend(_job_stream_of.pop((index, job), []))
+
+
+def _warm_up_libraries(index: int) -> None:
+    """A tiny matmul and convolution, so that cuBLAS and cuDNN have made their
+    handles and loaded their first kernels before free memory is read."""
+    with torch.cuda.device(index):
+        x = torch.ones(8, 8, device="cuda")
+        (x @ x).sum().item()
+        image, kernel = torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")
+        torch.nn.functional.conv2d(image, kernel).sum().item()
+        torch.cuda.synchronize()
+
+
+def device_capacity(device=None, headroom: int = CAPACITY_HEADROOM_BYTES) -> int:
+    """Bytes the device can really give the jobs: its free memory after a
+    cuBLAS/cuDNN warm-up, plus what the allocator holds (its segments, free or
+    not: the jobs' memory comes from them), less `headroom` (see
+    CAPACITY_HEADROOM_BYTES). Works with PyTorch's allocator too."""
+    if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+        raise ValueError(f"headroom must be a number of bytes >= 0, got {headroom!r}")
+    index = _device_index(device)
+    _warm_up_libraries(index)
+    free, _total = torch.cuda.mem_get_info(index)
+    if is_installed():
+        held = stats(index)["device"]["reserved_bytes"]["current"]
+    else:
+        held = torch.cuda.memory_reserved(index)
+    return max(0, free + held - headroom)
 
 
 def set_expected_releases(
