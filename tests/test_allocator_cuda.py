@@ -102,7 +102,7 @@ class FakeCudaModule:
 def fake_cuda(monkeypatch):
     import torch
 
-    import wwrun.allocator as wa
+    import wwrun.memory.allocator as wa
 
     module = FakeCudaModule()
     monkeypatch.setattr(wa, "_cuda", lambda: module)
@@ -119,7 +119,7 @@ def fake_cuda(monkeypatch):
 
 def test_every_live_job_gets_its_own_stream_and_an_ended_job_s_goes_to_the_next(fake_cuda):
     """torch.cuda.Stream() would give a sweep's 33rd job the 1st job's stream."""
-    import wwrun.allocator as wa
+    import wwrun.memory.allocator as wa
 
     streams = [wa.new_job_stream(0) for _ in range(40)]
     for number, stream in enumerate(streams):
@@ -134,7 +134,7 @@ def test_every_live_job_gets_its_own_stream_and_an_ended_job_s_goes_to_the_next(
 def test_device_capacity_is_free_memory_plus_what_the_allocator_holds_less_headroom(monkeypatch):
     import torch
 
-    import wwrun.allocator as wa
+    import wwrun.memory.allocator as wa
 
     MiB = 1 << 20
     warmed = []
@@ -476,7 +476,7 @@ def test_tensors_alive_at_exit_free_quietly():
     """A DataPtr deleter never throws; at exit, with the CUDA runtime unloading,
     a free is a no-op, not an error."""
     script = textwrap.dedent("""
-        import torch, wwrun.allocator as wa
+        import torch, wwrun.memory.allocator as wa
         wa.install()
         kept = [torch.ones(1 << 20, device="cuda") for _ in range(4)]
         side = torch.cuda.Stream()

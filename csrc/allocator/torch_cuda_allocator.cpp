@@ -388,7 +388,7 @@ void install() {
   if (the_allocator != nullptr && current == the_allocator) return;
   TORCH_CHECK(current == nullptr || !current->initialized(),
               "wwrun allocator: CUDA is already initialised in this process; install the "
-              "allocator (wwrun.allocator.install()) before any CUDA work");
+              "allocator (wwrun.memory.allocator.install()) before any CUDA work");
   the_allocator = new WaterwaveCUDAAllocator();
   c10alloc::allocator.store(the_allocator);
   // Code that asks c10's registry for the CUDA allocator must get ours too.
@@ -400,7 +400,7 @@ bool installed() {
 }
 
 MemoryFlowAllocator& core(int device) {
-  TORCH_CHECK(installed(), "wwrun allocator: not installed; call wwrun.allocator.install()");
+  TORCH_CHECK(installed(), "wwrun allocator: not installed; call wwrun.memory.allocator.install()");
   return the_allocator->core(static_cast<DeviceIndex>(device));
 }
 

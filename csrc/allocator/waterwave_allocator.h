@@ -70,7 +70,7 @@
 // Note [Batched scrub]: zeroing at hand-out costs one memset per block, on the
 // receiving job's stream, at the moment it wants the memory (a fused launch
 // would gain nothing there: it is one range). When a job ends
-// (wwrun.allocator.unregister_job, from the job's thread once its script ended),
+// (wwrun.memory.allocator.unregister_job, from the job's thread once its script ended),
 // the free blocks still holding its data are scrubbed at once instead, in ONE
 // launch of the Triton zero_ranges_ kernel on a dedicated scrub stream:
 //   1. take_dirty_blocks(job, scrub): each free block owned by the job alone

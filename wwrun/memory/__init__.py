@@ -144,19 +144,25 @@ class Memory:
 
     def _limit(self, limit) -> int | None:
         """The bytes the run may use, enforced by the allocator and planned for by the
-        engine: --memory-limit; on CUDA the whole device without one; on the CPU
-        without one, none to plan for (the allocator still guards the machine)."""
+        engine: --memory-limit (a fraction means of the device's memory); on CUDA at
+        most what the device can really give (`allocator.device_capacity`: free after
+        a cuBLAS/cuDNN warm-up, less a headroom for the driver); on the CPU without a
+        limit, none to plan for (the allocator still guards the machine)."""
         from wwrun.config import resolve_size
 
         total = self._device_total()
         resolved = resolve_size(limit, total)
-        if self.device == "cuda":
-            if resolved is not None and self.allocator == "waterwave":
-                import torch
+        if self.device != "cuda":
+            return resolved
+        import torch
 
-                torch.cuda.set_per_process_memory_fraction(min(1.0, resolved / total))
-            return resolved or total
-        return resolved
+        from wwrun.memory import allocator
+
+        usable = allocator.device_capacity(torch.cuda.current_device())
+        bytes_ = min(resolved or usable, usable)
+        if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
+        return bytes_
 
     def _make_engine(self, policy, nodegroups, queue, trace, current_job):
         if policy != "waterwave":
@@ -290,7 +296,8 @@ class JobMemory:
             if memory.device == "cuda":
                 import torch
 
-                stream = allocator.new_job_stream() if hasattr(allocator, "new_job_stream") else torch.cuda.Stream()
+                # A stream of its own (torch's pool recycles 32), handed on when it ends.
+                stream = allocator.new_job_stream(torch.cuda.current_device())
                 allocator.register_stream(stream, self.name, limit)
                 torch.cuda.set_stream(stream)
             allocator.mark_job_thread(self.name, limit)  # rule f may wait on this thread only
