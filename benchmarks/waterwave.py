@@ -44,6 +44,7 @@ to benchmarks/results/waterwave-<device>.json. The CUDA command has never been r
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 
@@ -63,12 +64,12 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import wwrun  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
+from wwrun.memory import allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 INPUTS, CLASSES = 32, 10
@@ -108,14 +109,17 @@ def train(width: int, batch: int, steps: int, seed: int) -> float:
     return loss.item()
 
 
-def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
-    """Run jobs as threads (the launcher's stand-in); (wall seconds, name -> error or None)."""
+def run_threads(engine: Engine | None, jobs: list[dict], measured: bool = False) -> tuple[float, dict]:
+    """Run jobs as threads (the launcher's stand-in); (wall seconds, name -> error or None).
+    `measured`: each thread is bound to its job in the CPU allocator, as the launcher does."""
     errors: dict[str, BaseException | None] = {}
 
     def body(name, spec):
-        if engine is not None:
-            engine.job_started(name)
+        if measured:
+            allocator.mark_job_thread(name)
         try:
+            if engine is not None:
+                engine.job_started(name)
             train(**spec)
             errors[name] = None
         except Exception as err:
@@ -123,6 +127,9 @@ def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
         finally:
             if engine is not None:
                 engine.job_finished(name)
+            if measured:
+                allocator.unmark_job_thread()
+                allocator.cpu_unregister_job(name)
 
     threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
     start = time.perf_counter()
@@ -136,21 +143,27 @@ def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
 def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     """Whether the jobs train together within `capacity`.
 
-    waterwave: every job finishes, all ran at the same time at some point (none just
-    queued behind the others) and the measured peak stayed in budget. concurrent
-    (spatial sharing): the jobs' peaks must fit side by side, as separate processes
-    each keeping their peak (caching allocators) would need."""
-    engine = Engine(capacity, policy)
-    _, errors = run_threads(engine, jobs)
-    if any(e is not None and not isinstance(e, JobTooLarge) for e in errors.values()):
+    The CPU allocator holds the budget, as the launcher installs it, and measures.
+    waterwave: every job finishes and all ran at the same time at some point (none
+    just queued behind the others). concurrent (spatial sharing): the jobs' peaks must
+    fit side by side, as separate processes each keeping their peak (caching
+    allocators) would need."""
+    allocator.install_cpu_allocator(capacity)
+    try:
+        engine = Engine(capacity, policy, meter=allocator.job_meter)
+        _, errors = run_threads(engine, jobs, measured=True)
+        peaks = [allocator.cpu_job_stats(name)["allocated_bytes"]["peak"] for name in errors]
+        assert allocator.cpu_stats()["device"]["reserved_bytes"]["peak"] <= capacity
+    finally:
+        allocator.uninstall_cpu_allocator()
+    if any(e is not None and not isinstance(e, (JobTooLarge, torch.OutOfMemoryError)) for e in errors.values()):
         raise next(e for e in errors.values() if e is not None)
     if any(e is not None for e in errors.values()):
         return False
     if policy != "waterwave":
-        return sum(engine.job_report(name)["peak_memory_bytes"] for name in errors) <= capacity
+        return sum(peaks) <= capacity
     runs = [engine._jobs[name] for name in errors]
-    together = max(j.admitted for j in runs) < min(j.ended for j in runs)
-    return together and engine.run_report()["peak_memory_bytes"] <= capacity
+    return max(j.admitted for j in runs) < min(j.ended for j in runs)
 
 
 def largest_batch(count: int, width: int, capacity: int, policy: str, high: int) -> int:
@@ -195,7 +208,7 @@ def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None
         result = wwrun.launch(wwrun.LaunchConfig(
             jobs=[wwrun.JobSpec(name=f"job{i}", script=JOB_SCRIPT, args=args) for i, args in enumerate(jobs)],
             policy=policy, memory_limit=memory_limit, device=DEVICE, quiet=True, log_dir=log_dir,
-        ), display=QuietDisplay(Console(quiet=True)))  # not even --quiet's summary table
+        ), display=QuietDisplay(io.StringIO()))  # not even --quiet's summary table
         if result.exit_code != 0:
             raise RuntimeError(f"wwrun --policy {policy} failed: {[j.error for j in result.jobs]}")
         spans = [loop_span((Path(job.log_dir) / "stdout.log").read_text()) for job in result.jobs]

@@ -775,7 +775,10 @@ def _thread_start(self):
 def _thread_bootstrap_inner(self):
     _local.job = job = getattr(self, "_wwrun_job", None)
     for hook in job.thread_hooks if job is not None else ():
-        hook()
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - Thread.start() waits for this thread: never fail here
+            pass
     return _originals["Thread._bootstrap_inner"](self)
 
 

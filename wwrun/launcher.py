@@ -265,13 +265,23 @@ class _Runner:
             note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
         )
         if self.memory.allocator == "native":
-            refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
+            try:
+                refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
+            except ConfigError:
+                self.memory.close()
+                raise
         if self.memory.engine is not None:
             self.memory.engine.state_listeners.append(self._on_engine_state)
 
     # -- the run ------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:
+            self.memory.close()  # torch's own CPU allocator serves again, whatever happened
+
+    def _run(self) -> RunResult:
         from wwrun.recipe import dump_recipe
 
         # The log folder is made only now that jobs start: a refused run leaves none.
@@ -304,7 +314,6 @@ class _Runner:
         result = self._result()
         self._write_report(result)
         self._write_outputs()
-        self.memory.close()
         self.display.stop(result)
         if self.config.explain:
             engine = self.memory.engine
@@ -526,9 +535,9 @@ class _Runner:
             code, error = job.stop
             if abandoned:
                 error += " (did not stop within the grace period)"
-        if abandoned and self.memory.engine is not None:
+        if abandoned:
             # Its thread goes on, but the memory it reserved and its hooks go back now.
-            self.memory.engine.job_finished(job.spec.name)
+            self.memory.abandon(job.spec.name)
         result.exit_code = code
         result.error = error
         if code == 0:

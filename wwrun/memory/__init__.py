@@ -115,7 +115,8 @@ class Memory:
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
         self._expected_releases: dict[str, int] = {}
-        self._job_limits: dict[str, int | None] = {}
+        self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
+        self._closed = False
 
     # -- the run ------------------------------------------------------------------
     def _device_total(self) -> int:
@@ -159,6 +160,11 @@ class Memory:
         from wwrun.memory import allocator
 
         usable = allocator.device_capacity(torch.cuda.current_device())
+        if usable <= 0:
+            from wwrun.config import ConfigError, format_size
+
+            raise ConfigError("device", f"the GPU has no memory left for jobs (of {format_size(total)}, "
+                              "the rest is taken by other processes and the driver's headroom)")
         bytes_ = min(resolved or usable, usable)
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
             torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
@@ -185,7 +191,10 @@ class Memory:
 
     def close(self) -> None:
         """The run ended: torch's own CPU allocator serves new tensors again (those
-        made meanwhile still free through ours)."""
+        made meanwhile still free through ours). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.device == "cpu" and self.allocator == "waterwave":
             from wwrun.memory import allocator
 
@@ -198,23 +207,37 @@ class Memory:
 
     def join_thread(self, name: str) -> None:
         """A thread the job started: its tensors count to the job, and it may wait for
-        other jobs' frees as the job's own thread does."""
-        if self.allocator == "waterwave":
+        other jobs' frees as the job's own thread does (not once the job has left)."""
+        session = self._sessions.get(name)
+        if session is not None and session._bound:
             from wwrun.memory import allocator
 
-            allocator.mark_job_thread(name, self._job_limits.get(name))
+            allocator.mark_job_thread(name, session.limit)
+
+    def abandon(self, name: str) -> None:
+        """The job's thread did not stop within its grace period: what it reserved goes
+        back now, and its late leave() will not touch a retry of the same name."""
+        session = self._sessions.pop(name, None)
+        if self.engine is not None:
+            self.engine.job_finished(name)
+        if session is not None:
+            self._expect_releases(name, 0)
 
     def _meter(self, name: str):
-        """The job's (allocated bytes now, most since the window restarted) reader."""
+        """The job's (allocated bytes now, most since the window restarted) reader;
+        (0, 0) once the run is over (a leftover graph may die later)."""
         from wwrun.memory import allocator
 
-        return allocator.job_meter(name, self.device)
+        read = allocator.job_meter(name, self.device)
+        return lambda restart=False: (0, 0) if self._closed else read(restart)
 
     def _expect_releases(self, job: str, held: int) -> None:
         """Backward progress, from the engine: jobs still holding activations are about
         to free memory; the allocator's rule f waits for them before failing."""
         from wwrun.memory import allocator
 
+        if self._closed:
+            return
         if held > 0:
             self._expected_releases[job] = held
         else:
@@ -234,7 +257,7 @@ class Memory:
 
         try:
             stats = allocator.job_stats(name) if self.device == "cuda" else allocator.cpu_job_stats(name)
-        except ValueError:  # not registered yet
+        except (ValueError, RuntimeError):  # not registered yet, or the run is over
             return None
         return stats["allocated_bytes"]
 
@@ -283,22 +306,25 @@ class JobMemory:
         self.name = name
         self.priority = priority
         self.memory_limit = memory_limit
+        self.limit: int | None = None  # bytes, once entered
         self._bound = False
 
     def __enter__(self) -> JobMemory:
         memory = self.memory
+        memory._sessions[self.name] = self
         if memory.allocator == "waterwave":
             from wwrun.config import resolve_size
             from wwrun.memory import allocator
 
-            limit = resolve_size(self.memory_limit, memory.limit or memory._device_total())
-            memory._job_limits[self.name] = limit
+            # A fraction is of the device's memory, as the run's --memory-limit.
+            self.limit = limit = resolve_size(self.memory_limit, memory._device_total())
             if memory.device == "cuda":
                 import torch
 
                 # A stream of its own (torch's pool recycles 32), handed on when it ends.
                 stream = allocator.new_job_stream(torch.cuda.current_device())
                 allocator.register_stream(stream, self.name, limit)
+                self._bound = True
                 torch.cuda.set_stream(stream)
             allocator.mark_job_thread(self.name, limit)  # rule f may wait on this thread only
             self._bound = True
@@ -315,16 +341,23 @@ class JobMemory:
         self.leave()
 
     def leave(self) -> None:
-        """Every byte the job reserved goes back; its memory passes to others zeroed."""
+        """Every byte the job reserved goes back; its memory passes to others zeroed.
+        An abandoned attempt's late leave touches nothing of a retry's."""
         memory = self.memory
-        if memory.engine is not None:
-            memory.engine.job_finished(self.name)
+        current = memory._sessions.get(self.name) is self
+        if current:
+            del memory._sessions[self.name]
+            if memory.engine is not None:
+                memory.engine.job_finished(self.name)
         if not self._bound:
             return
         self._bound = False
         from wwrun.memory import allocator
 
         allocator.unmark_job_thread()
+        if not current:
+            return
+        memory._expect_releases(self.name, 0)
         if memory.device == "cuda":
             allocator.unregister_job(self.name)
         else:

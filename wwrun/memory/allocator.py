@@ -433,8 +433,10 @@ def install_cpu_allocator(capacity: int) -> None:
     rule f gets torch.OutOfMemoryError. Tensors made before keep freeing through
     their own allocator; numpy-backed tensors (torch.from_numpy) are not torch's
     memory and are not counted. Forked children (DataLoader workers) go back to
-    torch's allocator. Idempotent while installed."""
+    torch's allocator. Installing again starts afresh with the new capacity."""
     module = _extension("cpu")
+    if module.installed():  # a run that did not close: the new capacity holds from now on
+        module.uninstall()
     module.install(_check_bytes(capacity, "capacity"))
 
 

@@ -37,8 +37,9 @@ NodeGroup boundaries, never per tensor:
   of that group in the profiling pass (`Plan.targets`); the last group's target is
   the job's claim A, the most it held above them over a whole iteration (forward,
   backward, optimizer step), re-measured at every pass start;
-- backward keeps the target of the groups it has yet to free, then what the
-  optimizer step needs, until the step ends.
+- backward keeps the target of the groups it has yet to free plus the gradients,
+  then what the optimizer step needs, and after the step what it still holds above
+  its pass-start bytes (the gradients, until zero_grad), until its next pass.
 Saved-tensor accounting (what autograd keeps) remains only to choose the partition
 and to see backward's progress. Without a meter (PyTorch's allocator), the engine
 counts persistent tensors and saved activations itself, as the groups' targets.
@@ -145,7 +146,7 @@ class _Job:
     persistent_peak: int = 0  # most measured
     persistent_reserved: int = 0  # what the scheduler holds: the peak, or a prediction
     reserved: int = 0  # granted activation bytes of the forward in progress
-    release_marks: list[tuple[int, int, str]] = field(default_factory=list)
+    release_marks: list[tuple[int, int, str, int]] = field(default_factory=list)  # (retained, group, label, keep)
     last_release: float = 0.0
     peak: int = 0
     wait_s: float = 0.0
@@ -508,7 +509,8 @@ class Engine:
                 marks, remaining = [], job.retained
                 for i in range(len(plan.groups) - 1, -1, -1):
                     remaining -= plan.groups[i].retained_bytes
-                    after = targets[i - 1] if i > 0 else job.step_need
+                    # Gradients appear as backward goes and stay through the step.
+                    after = min(targets[-1], targets[i - 1] + job.grad_bytes) if i > 0 else job.step_need
                     marks.append((max(remaining, 0), i, current.model.label, after if plan.measured else 0))
                 job.release_marks = marks
                 if plan.measured and not failed:
@@ -566,8 +568,8 @@ class Engine:
         if plan.measured:
             job.claim = max(job.claim, plan.targets()[-1])
             claim = job.claim
-        else:
-            claim = job.retained
+        else:  # PyTorch's allocator on CUDA: its transients are there too
+            claim = job.retained + (plan.transient_bytes if self.device != "cpu" else 0)
         # Settled once its optimizer state exists (the first step) or, without one, at its next pass.
         self.scheduler.end_profile(job.name, claim, settled=False)
         self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
@@ -723,6 +725,8 @@ class Engine:
                 self._report_held(job)
 
     def _report_held(self, job: _Job) -> None:
+        if job.ended is not None or self._jobs.get(job.name) is not job:
+            return  # an ended attempt's late frees: a retry of the same name holds its own
         held = max(job.retained, job.reserved)
         self.scheduler.release(job.name, held)
         self._sample(job)
@@ -767,11 +771,12 @@ class Engine:
             after_step, step_peak = job.meter(True)
             job.iter_peak = max(job.iter_peak, step_peak)
             if job.baseline is not None:
-                job.step_need = max(job.step_need, self._above(job, step_peak, after_step))
+                # The step's need holds the gradients (freed only by the next zero_grad).
+                job.step_need = max(job.step_need, self._above(job, step_peak, after_step - job.grad_bytes))
                 job.claim = max(job.claim, self._above(job, job.iter_peak, after_step))
-            if job.current is None and job.reserved:
-                with self._cond:  # the step is over: until the next pass, it needs nothing more
-                    job.reserved = 0
+            if job.current is None and job.baseline is not None:
+                with self._cond:  # the step is over: until the next pass, what it holds (gradients)
+                    job.reserved = max(0, after_step - job.baseline)
                     self._report_held(job)
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
