@@ -37,9 +37,9 @@ NodeGroup boundaries, never per tensor:
   of that group in the profiling pass (`Plan.targets`); the last group's target is
   the job's claim A, the most it held above them over a whole iteration (forward,
   backward, optimizer step), re-measured at every pass start;
-- backward keeps the target of the groups it has yet to free plus the gradients,
-  then what the optimizer step needs, and after the step what it still holds above
-  its pass-start bytes (the gradients, until zero_grad), until its next pass.
+- backward keeps the target of the groups it has yet to free, then what the
+  optimizer step needs, until the step ends. Gradients count as persistent bytes
+  (zero_grad may free them, but backward makes them again).
 Saved-tensor accounting (what autograd keeps) remains only to choose the partition
 and to see backward's progress. Without a meter (PyTorch's allocator), the engine
 counts persistent tensors and saved activations itself, as the groups' targets.
@@ -82,10 +82,10 @@ WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
 
-SHARING_HEADROOM = 4 << 20
-"""Bytes each job keeps free when jobs share the budget, measured as the allocator's
-reserved-but-unallocated bytes per job on the CPU examples (one partly used small
-segment of 2 MiB and the tail of a medium one)."""
+SHARING_HEADROOM = 2 << 20
+"""Bytes each job keeps free when jobs share the budget: what it leaves free inside
+its own segments, measured as the allocator's reserved-but-unallocated bytes on the
+CPU examples (about one partly used small segment, 2 MiB, per job)."""
 
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
@@ -509,8 +509,7 @@ class Engine:
                 marks, remaining = [], job.retained
                 for i in range(len(plan.groups) - 1, -1, -1):
                     remaining -= plan.groups[i].retained_bytes
-                    # Gradients appear as backward goes and stay through the step.
-                    after = min(targets[-1], targets[i - 1] + job.grad_bytes) if i > 0 else job.step_need
+                    after = targets[i - 1] if i > 0 else job.step_need
                     marks.append((max(remaining, 0), i, current.model.label, after if plan.measured else 0))
                 job.release_marks = marks
                 if plan.measured and not failed:
@@ -771,12 +770,11 @@ class Engine:
             after_step, step_peak = job.meter(True)
             job.iter_peak = max(job.iter_peak, step_peak)
             if job.baseline is not None:
-                # The step's need holds the gradients (freed only by the next zero_grad).
-                job.step_need = max(job.step_need, self._above(job, step_peak, after_step - job.grad_bytes))
+                job.step_need = max(job.step_need, self._above(job, step_peak, after_step))
                 job.claim = max(job.claim, self._above(job, job.iter_peak, after_step))
-            if job.current is None and job.baseline is not None:
-                with self._cond:  # the step is over: until the next pass, what it holds (gradients)
-                    job.reserved = max(0, after_step - job.baseline)
+            if job.current is None and job.reserved:
+                with self._cond:  # the step is over: until its next pass it needs nothing more
+                    job.reserved = 0
                     self._report_held(job)
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
@@ -784,9 +782,9 @@ class Engine:
             measured, _ = self._measure_persistent(job)
             with self._cond:
                 if job.meter is not None:
-                    # What it holds between steps, less the gradients zero_grad may free
-                    # (those count to the claim: backward makes them again).
-                    job.persistent_peak = max(job.persistent_peak, after_step - job.grad_bytes)
+                    # What it holds between steps, gradients included (as persistent:
+                    # zero_grad may free them, but backward makes them again).
+                    job.persistent_peak = max(job.persistent_peak, after_step)
                 job.persistent_reserved = job.persistent_peak
                 if job.claim and job.name in self.scheduler.jobs:
                     self.scheduler.raise_claim(job.name, job.claim)
@@ -824,9 +822,7 @@ class Engine:
         job.grad_bytes = grads
         with self._cond:
             self._set_persistent(job, measured)
-            # Measured by the allocator, gradients that zero_grad frees count to the
-            # claim (backward makes them again each iteration), not here.
-            job.persistent_peak = max(job.persistent_peak, measured if job.meter is None else measured - grads)
+            job.persistent_peak = max(job.persistent_peak, measured)
         return measured, missing_grads
 
     def _set_persistent(self, job: _Job, nbytes: int) -> None:
@@ -866,10 +862,10 @@ class Engine:
 
     @staticmethod
     def _above(job: _Job, peak: int, now: int) -> int:
-        """The most held over what stays: above the iteration's start or its end,
-        whichever is more (its first iteration creates optimizer state and gradients,
-        which are persistent bytes, not the claim)."""
-        return max(0, peak - max(job.baseline, now))
+        """The most held over what stays: above the iteration's start, its end or the
+        job's persistent bytes, whichever is more (its first iteration creates
+        optimizer state and gradients, persistent bytes, not the claim)."""
+        return max(0, peak - max(job.baseline, now, job.persistent_peak))
 
     def _held_now(self, job: _Job) -> int:
         """Activation bytes the job holds now: the allocator's above its pass start,
