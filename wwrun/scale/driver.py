@@ -308,8 +308,9 @@ class Driver:
         job.result.extra.update(report)
         job.result.extra.pop("memory_bytes", None)
         peak = report.get("peak_memory_bytes")
-        if peak and report.get("iterations"):
-            self.estimates.record(job.key, peak)
+        if report.get("iterations") or state == JobState.SUCCEEDED and peak is not None:
+            # Past a step, or ran to its end: its figure holds (a script without a model measures 0).
+            self.estimates.record(job.key, peak or 0)
         job.out_of_memory = bool(details.get("out_of_memory"))
         job.result.ended = details.get("ended") or time.time()
         self._end(job, details.get("exit_code"), details.get("error"), state)
