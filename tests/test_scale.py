@@ -276,6 +276,16 @@ def test_a_memory_hint_places_a_job_before_anything_measured_it(tmp_path):
     assert result.exit_code == 0
 
 
+def test_a_job_out_of_memory_on_one_engine_is_retried_on_another(tmp_path):
+    # Hinted far too small, it goes to the tighter fit (24 MiB), fails there with
+    # JobTooLarge, and its retry goes to the engine it did not fail on.
+    result = run(tmp_path, big("underestimated", memory="1MiB"), memory_limit=LIMITS, retries=1)
+    job = result.jobs[0]
+    assert job.state == JobState.SUCCEEDED and job.extra["attempts"] == 2 and job.extra["engine"] == 1
+    first = json.loads((Path(result.log_dir) / "underestimated" / "attempt_0" / "error.json").read_text())
+    assert "JobTooLarge" in first["error"]
+
+
 def test_the_queue_runs_across_three_engines(tmp_path):
     jobs = [ending(f"j{i}", delay=0.6) for i in range(6)]
     result = run(tmp_path, *jobs, engines=3, memory_limit="32MiB,64MiB,128MiB", max_concurrent=1)

@@ -74,6 +74,8 @@ class _DriverJob:
         self.profiled = False
         self.out_of_memory = False
         self.retry_after_ends = 0
+        self.hint = spec.memory
+        """Its `memory` hint, until it runs out of memory: then what was measured."""
         self.context = None  # as the launcher's jobs have (error.json reads its traceback)
 
 
@@ -211,7 +213,7 @@ class Driver:
         for job in list(self._queue):
             if job.out_of_memory and self._ends <= job.retry_after_ends and self._active():
                 continue  # after running out of memory: once another job has ended
-            estimate = self.estimates.of(job.key, job.spec.memory)
+            estimate = self.estimates.of(job.key, job.hint)
             if estimate is None and budgets and job.key in self.estimates.scouting:
                 continue  # a sibling is being profiled: its figure will place this one
             index = choose(estimate, self.views, frozenset(job.avoid))
@@ -312,6 +314,8 @@ class Driver:
             # Past a step, or ran to its end: its figure holds (a script without a model measures 0).
             self.estimates.record(job.key, peak or 0)
         job.out_of_memory = bool(details.get("out_of_memory"))
+        if job.out_of_memory:  # the hint was too low (or the siblings' figure): what it used now counts
+            job.hint = max(peak or 0, job.counted) or None
         job.result.ended = details.get("ended") or time.time()
         self._end(job, details.get("exit_code"), details.get("error"), state)
 
