@@ -133,7 +133,8 @@ def test_scale_options_are_checked_with_one_line_errors():
     assert ending("b", memory="2GiB").memory == 2 << 30
     assert LaunchConfig(jobs=[job], gpus=[0, 2]).gpus == "0,2"
     assert LaunchConfig(jobs=[job], memory_limit="1GiB,50%").memory_limit == [1 << 30, 0.5]
-    assert LaunchConfig(jobs=[job], memory_limit=["1GiB"]).memory_limit == 1 << 30
+    with pytest.raises(ConfigError, match="^memory_limit: not a memory size: a list of 1"):
+        LaunchConfig(jobs=[job], memory_limit=["1GiB"])
 
 
 def test_engine_plans_on_a_machine_without_gpus():
@@ -352,14 +353,15 @@ def test_ctrl_c_stops_every_engine(tmp_path):
                "--log-dir", str(tmp_path / "logs"), "--grace-period", "5s",
                ENDING, "loop", ":", ENDING, "loop", ":", ENDING, "ok"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready, deadline = 0, time.monotonic() + 120
+    ready, done, deadline = 0, False, time.monotonic() + 120
     try:
-        while ready < 2 and time.monotonic() < deadline:
+        while (ready < 2 or not done) and time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
                 break
             ready += line.rstrip().endswith("] ready")
-        assert ready == 2
+            done = done or line.startswith("[ending-3] after ok")
+        assert ready == 2 and done
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -367,7 +369,7 @@ def test_ctrl_c_stops_every_engine(tmp_path):
     assert proc.returncode == 130, err
     data = json.loads(report.read_text())
     states = {j["name"]: j["state"] for j in data["jobs"]}
-    assert states["ending"] == states["ending-2"] == "interrupted"
+    assert states["ending"] == states["ending-2"] == "interrupted" and states["ending-3"] == "succeeded"
     assert {j["engine"] for j in data["jobs"] if j["name"] != "ending-3"} == {0, 1}
     log = Path(data["run"]["log_dir"]) / "ending" / "stdout.log"
     assert "got KeyboardInterrupt" in log.read_text()

@@ -582,16 +582,14 @@ def describe(value) -> str:
 
 
 def _parse_sizes(value):
-    """One size, or a list of them ('64MiB,128MiB', or a recipe list): one per engine.
-    A list of one is that size."""
+    """One size, or a list of them ('64MiB,128MiB', or a recipe list): one per engine."""
     if isinstance(value, str) and "," in value:
         value = [part for part in value.split(",")]
     if not isinstance(value, list):
         return parse_size(value)
-    if not value:
-        raise ValueError("an empty list: give one size, or one per engine")
-    sizes = [parse_size(v) for v in value]
-    return sizes[0] if len(sizes) == 1 else sizes
+    if len(value) < 2:
+        raise ValueError(f"not a memory size: a list of {len(value)} (give one size alone, or one per engine)")
+    return [parse_size(v) for v in value]
 
 
 def _check_fields(config) -> None:

@@ -100,6 +100,7 @@ class Driver:
         self.estimates = Estimates()
         self._events = _EventLog(config.events, config.run_id)
         self._interrupted_at: float | None = None
+        self._interrupt_asked = False
         self._halted: str | None = None
         self._ends = 0
         self._report_due = 0.0
@@ -211,6 +212,8 @@ class Driver:
             return
         budgets = any(v.capacity is not None for v in self.views)
         for job in list(self._queue):
+            if not any(v.alive and v.running < v.slots for v in self.views):
+                break  # no free slot anywhere: the rest wait
             if job.out_of_memory and self._ends <= job.retry_after_ends and self._active():
                 continue  # after running out of memory: once another job has ended
             estimate = self.estimates.of(job.key, job.hint)
@@ -254,6 +257,8 @@ class Driver:
     # -- what the engines say -------------------------------------------------------
 
     def _pump(self, timeout: float) -> None:
+        if self._interrupt_asked and self._interrupted_at is None:
+            self._interrupt()
         messages, dead = self.fleet.wait(timeout)
         for index, message in messages:
             self._handle(index, message)
@@ -393,17 +398,24 @@ class Driver:
 
     def _on_signal(self, signum, frame) -> None:
         """The first interrupt goes to every engine (each interrupts its jobs, which
-        have the grace period), the second ends every engine and this process."""
-        for engine in self.fleet.engines:
-            self.fleet.interrupt(engine.index)
-        if self._interrupted_at is not None:
-            self.display.note("second interrupt: stopping now")
-            self.fleet.kill()
+        have the grace period), the second ends every engine and this process.
+
+        The handler only notes the first: it runs on the main thread, between any two
+        of its bytecodes, maybe while that thread holds the display's lock or writes
+        to an engine's pipe; `_pump` acts on it."""
+        if self._interrupted_at is not None or self._interrupt_asked:
+            os.write(2, b"[wwrun] second interrupt: stopping now\n")
+            self.fleet.shutdown(0)  # every engine, and a Ray this run started
             os._exit(EXIT_INTERRUPTED)
+        self._interrupt_asked = True
+
+    def _interrupt(self) -> None:
         self._interrupted_at = time.monotonic()
         self.display.note(
             f"interrupted: stopping every job on every engine (up to {self.config.grace_period_s:g}s; again to force)"
         )
+        for engine in self.fleet.engines:
+            self.fleet.interrupt(engine.index)
 
     # -- the report -------------------------------------------------------------------
 

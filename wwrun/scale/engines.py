@@ -95,7 +95,7 @@ class EngineCore:
                     continue
                 try:
                     report = engine.job_report(job.spec.name)
-                except KeyError:
+                except (KeyError, RuntimeError):  # not seen yet, or changing under us: next time
                     continue
                 figures[job.spec.name] = (engine.memory_of(job.spec.name) or 0, report["peak_memory_bytes"],
                                           report["iterations"])
@@ -363,7 +363,8 @@ class EngineActor:
     list until `poll` takes them (through Ray's object store)."""
 
     def __init__(self, config, index: int):
-        signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() else None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver relays Ctrl-C
         self._messages: deque = deque()
         self._cond = threading.Condition()
         self.core = EngineCore(config, index, self._send)
@@ -417,7 +418,13 @@ class RayFleet:
             options = {"address": address, "include_dashboard": False, "log_to_driver": False}
             if address is None and self.plan.device == "cpu":
                 options["num_cpus"] = max(os.cpu_count() or 1, self.plan.count or 1)
-            ray.init(**options)
+            try:
+                ray.init(**options)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                from wwrun.config import ConfigError
+
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise ConfigError("ray", f"cannot start or reach Ray at {self.config.ray}: {first}") from None
             self._started_ray = True
         count = self.plan.count
         if count is None:  # one per GPU of the cluster
