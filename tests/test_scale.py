@@ -412,3 +412,23 @@ def test_ray_a_lost_actor_loses_only_its_jobs(tmp_path, local_ray):
     assert killed and other.state == JobState.SUCCEEDED
     assert victim.state == JobState.SUCCEEDED and victim.extra["attempts"] == 2
     assert [e["state"] for e in report_of(result)["run"]["engines"]].count("died") == 1
+
+
+def test_ray_ctrl_c_stops_every_engine(tmp_path, local_ray):
+    run_id = "ray-ctrl-c"
+    logs = [tmp_path / "logs" / run_id / name / "stdout.log" for name in ("a", "b")]
+
+    def interrupt_once_ready():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(log.exists() and "ready" in log.read_text() for log in logs):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    result = run(tmp_path, ending("a", "loop"), ending("b", "loop"), ray="local", engines=2, run_id=run_id,
+                 grace_period_s=5)
+    assert [j.state for j in result.jobs] == [JobState.INTERRUPTED, JobState.INTERRUPTED]
+    assert {j.extra["engine"] for j in result.jobs} == {0, 1} and result.exit_code == 130
+    assert all("got KeyboardInterrupt" in log.read_text() for log in logs)
