@@ -348,24 +348,32 @@ def test_a_segfault_ends_its_engine_alone_and_is_reported(tmp_path):
 
 
 def test_ctrl_c_stops_every_engine(tmp_path):
-    report = tmp_path / "r.json"
+    report, events, logs = tmp_path / "r.json", tmp_path / "events.jsonl", tmp_path / "logs"
     command = [sys.executable, "-m", "wwrun", "--device", "cpu", "--engines", "2", "--report", str(report),
-               "--log-dir", str(tmp_path / "logs"), "--grace-period", "5s",
+               "--events", str(events), "--log-dir", str(logs), "--grace-period", "5s",
                ENDING, "loop", ":", ENDING, "loop", ":", ENDING, "ok"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready, done, deadline = 0, False, time.monotonic() + 120
+    with open(tmp_path / "err.txt", "w") as err_file:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err_file)
+
+    def settled() -> bool:  # both loops ready, the third job ended well
+        if not events.exists():
+            return False
+        lines = [json.loads(line) for line in events.read_text().splitlines() if line.endswith("}")]
+        if not any(e["job"] == "ending-3" and e["state"] == "succeeded" for e in lines):
+            return False
+        run_dir = logs / lines[0]["run_id"]
+        return all("ready" in _read(run_dir / name / "stdout.log") for name in ("ending", "ending-2"))
+
+    deadline = time.monotonic() + 120
     try:
-        while (ready < 2 or not done) and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            ready += line.rstrip().endswith("] ready")
-            done = done or line.startswith("[ending-3] after ok")
-        assert ready == 2 and done
+        while not settled() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert settled()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         proc.kill()
+    err = (tmp_path / "err.txt").read_text()
     assert proc.returncode == 130, err
     data = json.loads(report.read_text())
     states = {j["name"]: j["state"] for j in data["jobs"]}
@@ -373,6 +381,14 @@ def test_ctrl_c_stops_every_engine(tmp_path):
     assert {j["engine"] for j in data["jobs"] if j["name"] != "ending-3"} == {0, 1}
     log = Path(data["run"]["log_dir"]) / "ending" / "stdout.log"
     assert "got KeyboardInterrupt" in log.read_text()
+    assert "interrupted: stopping every job on every engine" in err
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def test_with_one_engine_nothing_changes(tmp_path):
