@@ -146,7 +146,8 @@ class Driver:
         for engine in self.fleet.engines:
             if not engine.ready and engine.alive:
                 engine.alive = False
-                engine.death = f"did not start within {START_TIMEOUT_S:g}s"
+                engine.death = ("interrupted before it started" if self._interrupted_at is not None
+                                else f"did not start within {START_TIMEOUT_S:g}s")
         self.views = [
             EngineView(index=e.index, capacity=e.info.get("capacity"), slots=self.config.concurrency,
                        alive=e.ready and e.alive)
