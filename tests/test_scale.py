@@ -384,6 +384,34 @@ def test_ctrl_c_stops_every_engine(tmp_path):
     assert "interrupted: stopping every job on every engine" in err
 
 
+def test_engines_stop_their_jobs_when_the_driver_is_killed(tmp_path):
+    import psutil
+
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "wwrun", "--quiet", "--device", "cpu", "--engines", "2", "--log-dir", str(logs),
+               "--grace-period", "2s", ENDING, "loop", ":", ENDING, "loop"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, pids = time.monotonic() + 120, []
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and len(pids) < 2:
+            reports = list(logs.glob("*/report.json"))
+            data = json.loads(_read(reports[0]) or "{}") if reports else {}
+            running = [j for j in data.get("jobs", []) if j["state"] == "running"]
+            if len(running) == 2:
+                pids = [e["pid"] for e in data["run"]["engines"]]
+            time.sleep(0.05)
+        assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
+    finally:
+        proc.kill()  # SIGKILL: the driver cannot tell anyone
+        proc.wait(10)
+    deadline = time.monotonic() + 60
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        time.sleep(0.1)
+    assert not alive  # each engine saw its pipe close, interrupted its jobs and ended
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()

@@ -174,10 +174,12 @@ def _process_main(conn, config, index: int, gpu: int | None) -> None:
     except BaseException as exc:  # noqa: BLE001
         send(("error", f"engine {index} could not start: {type(exc).__name__}: {exc}"))
         return
+    driver_gone = False
     while True:
         try:
             command, *args = conn.recv()
         except (EOFError, OSError):  # the driver is gone: stop the jobs
+            driver_gone = True
             core.interrupt()
             break
         if command == "submit":
@@ -187,14 +189,17 @@ def _process_main(conn, config, index: int, gpu: int | None) -> None:
             break
         elif command == "interrupt":
             core.interrupt()
-    while not core.join(0.5):
-        if conn.poll():
-            try:
-                command, *args = conn.recv()
-            except (EOFError, OSError):
-                continue
-            if command == "interrupt":
-                core.interrupt()
+    while not core.join(0.5):  # closed (or the driver is gone): until the engine's jobs have ended
+        if driver_gone or not conn.poll():
+            continue
+        try:
+            command, *args = conn.recv()
+        except (EOFError, OSError):
+            driver_gone = True
+            core.interrupt()
+            continue
+        if command == "interrupt":
+            core.interrupt()
     conn.close()
 
 
