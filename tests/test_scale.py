@@ -265,6 +265,11 @@ def test_placement_by_measured_memory_across_two_engines(tmp_path):
     states = [json.loads(line) for line in events.read_text().splitlines()]
     assert [e["state"] for e in states if e["job"] == "small-1"][-1] == "succeeded"
     assert {e["run_id"] for e in states} == {result.run_id}
+    from wwrun.display import summary_lines
+
+    header, *rows = summary_lines(result)[1:6]
+    assert header.split()[:5] == ["job", "state", "exit", "time", "engine"]
+    assert rows[0].split()[:2] == ["big-0", "succeeded"] and rows[0].split()[4] == "1"
 
 
 def test_a_memory_hint_places_a_job_before_anything_measured_it(tmp_path):
