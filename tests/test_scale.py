@@ -151,6 +151,37 @@ def test_engine_plans_on_a_machine_without_gpus():
     assert needs_driver(LaunchConfig(jobs=[job], device="cpu", engines=2))
 
 
+def test_gpu_selection_on_a_machine_with_four(monkeypatch):
+    import wwrun.scale as scale
+    from wwrun.scale.engines import _physical_gpu
+
+    monkeypatch.setattr(scale, "_device_of", lambda config: "cuda")
+    monkeypatch.setattr(scale, "_visible_gpus", lambda: 4)
+    job = ending("a")
+    assert plan(LaunchConfig(jobs=[job])).gpus == (0, 1, 2, 3)  # default: every GPU it sees
+    assert needs_driver(LaunchConfig(jobs=[job]))
+    assert plan(LaunchConfig(jobs=[job], gpus="0,2")).gpus == (0, 2)
+    assert plan(LaunchConfig(jobs=[job], gpus="2")).gpus == (0, 1)  # a count
+    assert plan(LaunchConfig(jobs=[job], gpus="3,")).gpus == (3,)  # one index
+    assert needs_driver(LaunchConfig(jobs=[job], gpus="3,")) and not needs_driver(LaunchConfig(jobs=[job], gpus="1"))
+    assert plan(LaunchConfig(jobs=[job], engines=2)).gpus == (0, 1)
+    p = plan(LaunchConfig(jobs=[job], gpus="1,3", memory_limit="10GiB,50%"))
+    assert p.limits == (10 << 30, 0.5)
+    for fields, message in [
+        ({"gpus": "7,"}, "^gpus: no GPU 7 here: this process sees 4 \\(0 to 3\\)"),
+        ({"gpus": "5"}, "^gpus: 5 GPUs asked for and this process sees 4"),
+        ({"gpus": "0,0"}, "^gpus: '0,0' names a GPU twice"),
+        ({"engines": 6}, "^engines: 6 engines, one per GPU, and this machine shows 4 GPU"),
+        ({"engines": 3, "gpus": "0,1"}, "^engines: 3 engines for 2 GPU"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            plan(LaunchConfig(jobs=[job], **fields))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert _physical_gpu(1) == "5"  # an engine for the 2nd visible GPU sees the physical GPU 5 alone
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _physical_gpu(1) == "1"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "0"], "wwrun: error: --engines: must be at least 1, got 0"),
     (["--shard", "3/2"], "wwrun: error: --shard: '3/2': i counts from 0, so it must be below n"),

@@ -90,6 +90,7 @@ def launch(config: LaunchConfig, *, display=None):
     from wwrun.scale.driver import Driver
     from wwrun.scale.engines import ProcessFleet, RayFleet
 
+    preflight(config)  # also when only the GPUs it sees made the run several engines
     p = plan(config)
     fleet = RayFleet(config, p) if config.ray is not None else ProcessFleet(config, p)
     return Driver(config, fleet, display or make_display(config)).run()
