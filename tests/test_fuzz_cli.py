@@ -45,9 +45,12 @@ FLAGS = {
     "--halt": ["never", "soon", "now", "sometimes"],
     "-n": COUNTS,
     "--repeat": COUNTS,
+    "--engines": COUNTS,
+    "--gpus": ["all", "2", "0,2", "3,", "0", "x", ""],
+    "--shard": ["0/2", "1/3", "2/2", "0/0", "x", "-1/2", ""],
 }
 SWITCHES = ["--tee", "--quiet", "--explain", "--dryrun", "--bogus", "--memory_limit", "-x", "--help", "--version",
-            "--rep", "-m", "--module"]
+            "--rep", "-m", "--module", "--ray"]
 
 
 class Outputs:
@@ -127,10 +130,12 @@ OPTION_VALUES = {
     "device": ["cpu", "auto"], "memory_limit": ["2GiB", "80%", 0.5, 2e9], "policy": ["concurrent", "waterwave"],
     "max_concurrent": [1, 3], "queue": ["fifo", "las"], "timeout": ["1h", 90], "retries": [0, 2],
     "halt": ["never", "soon", "now"], "grace_period_s": [0, 2.5], "tee": [True], "quiet": [False],
+    "engines": [2, 3], "gpus": ["all", 2, [0, 1]], "ray": ["local", "auto"], "shard": ["0/2", "1/2"],
 }
 JOB_VALUES = {
     "name": ["a", "b-{repeat}"], "args": ["--lr 1", ["--x", 1, True]], "env": [{"A": 1}], "priority": [1, -1],
     "timeout": ["30s"], "retries": [1], "stdin": [True], "repeat": [2, 3], "memory_limit": ["1GiB"],
+    "memory": ["1GiB", "50%"],
 }
 
 

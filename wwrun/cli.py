@@ -24,7 +24,7 @@ from pathlib import Path
 
 from wwrun import __version__
 from wwrun.config import (
-    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, repeat_jobs, shorten,
+    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, repeat_jobs, select_shard, shorten,
 )
 
 _SEPARATOR = ":"
@@ -53,6 +53,26 @@ def one_line(message: str) -> str:
     return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def _is_address(text: str) -> bool:
+    """A Ray address (local, auto, host:port, ray://host:port), not a script or recipe."""
+    return text in ("local", "auto") or "://" in text or bool(re.match(r"^[^/\s]+:[0-9]+$", text))
+
+
+def _bare_ray(argv: list[str] | None) -> list[str] | None:
+    """`--ray` not followed by an address is `--ray=local`, so that argparse does not
+    take the script after it (`wwrun --ray a.py`) for the optional address. Only
+    wwrun's own options are looked at: up to the first job."""
+    if argv is None:
+        return None
+    argv = list(argv)
+    for i, token in enumerate(argv):
+        if token in (_SEPARATOR, "-m", "--module") or os.path.isfile(token):
+            break
+        if token == "--ray" and (i + 1 == len(argv) or not _is_address(argv[i + 1])):
+            argv[i] = "--ray=local"
+    return argv
+
+
 def is_recipe(path: str) -> bool:
     return path.lower().endswith(RECIPE_SUFFIXES)
 
@@ -72,6 +92,8 @@ def get_args_parser() -> argparse.ArgumentParser:
             continue
         if meta["kind"] == "flag":  # default None: only what was given overrides a recipe
             add(flag, dest=f.name, action="store_const", const=True, help=meta["help"])
+        elif meta["kind"] == "address":  # --ray [ADDRESS]: the address is optional
+            add(flag, dest=f.name, nargs="?", const="local", metavar=meta["metavar"], help=meta["help"])
         else:
             add(flag, dest=f.name, choices=meta["choices"], metavar=meta["metavar"], help=meta["help"],
                 type=int if meta["kind"] == "count" else str)
@@ -87,7 +109,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line; wwrun's options may also follow a recipe."""
     parser = get_args_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_bare_ray(argv))
     if args.recipe is None and not args.module and args.command and is_recipe(args.command[0]):
         recipe, rest = args.command[0], args.command[1:]
         args.command = []
@@ -103,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     config = _config_from_args(args)
     if args.repeat is not None:
         config = config.replace(jobs=repeat_jobs(config.jobs, args.repeat))
-    return config
+    return select_shard(config)
 
 
 def _config_from_args(args: argparse.Namespace) -> LaunchConfig:

@@ -52,6 +52,8 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+_SHARD = re.compile(r"^\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*$")
+_GPUS = re.compile(r"^(all|[0-9]{1,4}|[0-9]{1,4}(,[0-9]{1,4})*,?)$")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z%]*)\s*$")
 MAX_SIZE = 2**63 - 1  # bytes: what the allocator and the OS can count
 
@@ -239,6 +241,10 @@ class JobSpec:
     """Higher starts first when not every job can run at once."""
     memory_limit: int | float | None = option(None, kind="size", help="device memory this job may use")
     """Bytes (int) or a fraction of the device (float); beyond it only this job fails."""
+    memory: int | float | None = option(None, kind="size", help="the job's expected peak memory (a hint)")
+    """The job's peak memory, as its author expects it: with several engines (`engines`,
+    `gpus`, `ray`), the driver places the job where this much is free, before any run
+    of the script measured it. Bytes, or a fraction of an engine's memory."""
     timeout: float | None = option(None, kind="duration", help="how long each attempt may run")
     """Seconds this job may run (each attempt); then it is interrupted. None: no limit."""
     retries: int | None = option(None, kind="count", minimum=0, help="times a failed job is queued again")
@@ -282,9 +288,12 @@ class LaunchConfig:
     device: str = option("auto", kind="choice", choices=DEVICES,
                          help="where jobs run (default: auto = cuda when present)")
     """auto (CUDA when present, else CPU), cpu or cuda."""
-    memory_limit: int | float | None = option(None, kind="size", metavar="SIZE",
-                                              help="device memory the run may use: 2GiB, 512MB, 80%%")
-    """Device memory the run may use: bytes (int) or a fraction (float) of the device."""
+    memory_limit: int | float | list | None = option(
+        None, kind="sizes", metavar="SIZE[,SIZE...]",
+        help="device memory the run may use: 2GiB, 512MB, 80%%; with several engines, one for each")
+    """Device memory the run may use: bytes (int) or a fraction (float) of the device.
+    With several engines, one figure for all, or a list with one per engine (given as
+    '64MiB,128MiB' on the command line)."""
     policy: str | None = option(None, kind="choice", choices=POLICIES,
                                 help="waterwave (default for several jobs), concurrent or sequential")
     """waterwave, concurrent (plain threads) or sequential; None: waterwave for
@@ -331,6 +340,24 @@ class LaunchConfig:
                        help="after a failure: never (go on), soon (start nothing new), now (stop all)")
     """After a job fails: never (the others go on), soon (start nothing new), now
     (interrupt the running jobs too), as GNU parallel's --halt."""
+    engines: int | None = option(None, kind="count", minimum=1, metavar="N",
+                                 help="run N engine processes (one per GPU; with --device cpu, N CPU engines)")
+    """Engine processes, each a whole wwrun engine with its own memory budget; a driver
+    places each job on one of them by memory (wwrun.scale). None: one per GPU of
+    `gpus` on CUDA, one per `memory_limit` figure on the CPU, else 1."""
+    gpus: str | None = option(None, kind="gpus", metavar="all|N|0,2,...",
+                              help="GPUs to use, one engine each (default: every GPU this process sees)")
+    """'all' (the GPUs CUDA_VISIBLE_DEVICES shows), a count N (the first N) or indices
+    '0,2' (one index alone: '3,'). None: all of them."""
+    ray: str | None = option(None, kind="address", metavar="ADDRESS",
+                             help="engines as Ray actors, on the cluster at ADDRESS (default: a local Ray)")
+    """Run each engine as a Ray actor (`pip install 'wwrun[ray]'`): 'local' starts a
+    Ray on this machine, 'auto' or 'host:port' joins a cluster."""
+    shard: str | None = option(None, kind="shard", metavar="i/n",
+                               help="run only the i-th of n slices of the jobs (i from 0): one wwrun per GPU of a batch system")
+    """'i/n': only jobs i, i+n, i+2n, ... of the expanded list (i counts from 0, as
+    SLURM_ARRAY_TASK_ID, JOB_COMPLETION_INDEX and SKYPILOT_NODE_RANK do). Applied by
+    `select_shard` before the run; None runs every job."""
     source: str | None = None
     """The recipe this config was read from, if any."""
 
@@ -376,6 +403,31 @@ class LaunchConfig:
         return dataclasses.replace(self, **changes)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """'1/4' -> (1, 4): the slice's index, from 0, and how many slices. Raises ValueError."""
+    match = _SHARD.match(text) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"expected i/n, as 0/4 (the first of four slices), got {describe(text)}")
+    index, count = int(match.group(1)), int(match.group(2))
+    if count < 1:
+        raise ValueError(f"{text!r}: n must be at least 1")
+    if index >= count:
+        raise ValueError(f"{text!r}: i counts from 0, so it must be below n (0/{count} to {count - 1}/{count})")
+    return index, count
+
+
+def select_shard(config: LaunchConfig) -> LaunchConfig:
+    """The config with only its shard's jobs (jobs i, i+n, ... of the expanded list, so
+    that each slice of a grid gets some of every axis) and no `shard` left."""
+    if config.shard is None:
+        return config
+    index, count = parse_shard(config.shard)
+    jobs = config.jobs[index::count]
+    if not jobs:
+        raise ConfigError("shard", f"{config.shard} selects no job: there are {len(config.jobs)} jobs")
+    return config.replace(jobs=jobs, shard=None)
+
+
 def repeat_jobs(jobs: list[JobSpec], times: int) -> list[JobSpec]:
     """Each job `times` times, named as a recipe's `repeat` names them: a-0, a-1, ..."""
     if isinstance(times, bool) or not isinstance(times, int) or times < 1:
@@ -405,6 +457,11 @@ def preflight(config: LaunchConfig) -> None:
         if path is not None and not (name == "events" and path == "-"):
             _check_output_file(name, path)
     _check_descriptors(config)
+    if config.engines is not None or config.gpus is not None or config.ray is not None \
+            or isinstance(config.memory_limit, list):
+        from wwrun.scale import preflight as scale_preflight
+
+        scale_preflight(config)
 
 
 
@@ -522,6 +579,17 @@ def describe(value) -> str:
     return type(value).__name__
 
 
+def _parse_sizes(value):
+    """One size, or a list of them ('64MiB,128MiB', or a recipe list): one per engine."""
+    if isinstance(value, str) and "," in value:
+        value = [part for part in value.split(",")]
+    if not isinstance(value, list):
+        return parse_size(value)
+    if len(value) < 2:
+        raise ValueError(f"not a memory size: a list of {len(value)} (give one size alone, or one per engine)")
+    return [parse_size(v) for v in value]
+
+
 def _check_fields(config) -> None:
     """Check and normalise every option field of a JobSpec or LaunchConfig by its kind."""
     for f in dataclasses.fields(config):
@@ -539,6 +607,11 @@ def _check_field(name: str, meta, value):
     try:
         if kind == "size":
             return parse_size(value)
+        if kind == "sizes":
+            return _parse_sizes(value)
+        if kind == "shard":
+            parse_shard(value)
+            return value.replace(" ", "")
         if kind == "duration":
             return parse_duration(value)
         if kind == "seconds":
@@ -573,6 +646,21 @@ def _check_field(name: str, meta, value):
     elif kind == "module":
         if not isinstance(value, str) or not _MODULE.match(value):
             raise ConfigError(name, f"{shorten(repr(value))} is not a module name (like 'pkg.train')")
+    elif kind == "gpus":
+        if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            value = ",".join(str(i) for i in value) + ("," if len(value) == 1 else "")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not _GPUS.match(value.replace(" ", "")):
+            raise ConfigError(name, f"expected all, a count N or indices 0,2,..., got {describe(value)}")
+        value = value.replace(" ", "")
+        if value == "0":
+            raise ConfigError(name, "must be at least 1 GPU (to run on the CPU, use --device cpu)")
+    elif kind == "address":
+        if value is True:
+            value = "local"
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise ConfigError(name, f"expected local, auto or a cluster address (host:port), got {describe(value)}")
     elif kind == "args":
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ConfigError(name, "expected a list of strings")

@@ -241,7 +241,7 @@ def _summary_cells(result) -> tuple[list[str], list[list[str]]]:
             job.state.value,
             "-" if job.exit_code is None else str(job.exit_code),
             _elapsed(job.wall_s),
-            *(_cell(job.extra.get(key)) for key in extra),
+            *(_cell(job.extra.get(key), key) for key in extra),
             short_error(job.error),
         ]
         for job in result.jobs
@@ -318,16 +318,18 @@ def summary_footer(result) -> str:
     return line
 
 
-_EXTRA_COLUMNS = {"peak_memory_bytes": "peak memory", "wait_s": "waited (s)"}
+_EXTRA_COLUMNS = {"engine": "engine", "peak_memory_bytes": "peak memory", "wait_s": "waited (s)"}
 
 
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _cell(value) -> str:
+def _cell(value, key: str | None = None) -> str:
     if value is None:
         return "-"
+    if key == "engine":  # an index (wwrun.scale), not bytes
+        return str(value)
     if isinstance(value, int):
         return format_size(value)
     return f"{value:.1f}" if isinstance(value, float) else str(value)

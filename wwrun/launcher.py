@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wwrun import isolation, libstate, rng
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size
+from wwrun.config import (
+    ConfigError, JobSpec, LaunchConfig, preflight, refuse_job_memory_limits, resolve_size, select_shard,
+)
 from wwrun.output import JobOutput, Pump
 
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -175,7 +177,12 @@ def launch(config: LaunchConfig, *, display=None) -> RunResult:
     """
     from wwrun.display import make_display
 
+    config = select_shard(config)
     preflight(config)  # every check that can be made before anything starts
+    from wwrun import scale
+
+    if scale.needs_driver(config):  # several engines: each its own process (wwrun.scale)
+        return scale.launch(config, display=display)
     isolation.install()
     libstate.install()
     rng.install()
@@ -235,18 +242,23 @@ class _Job:
 
 
 class _Runner:
-    def __init__(self, config: LaunchConfig, display):
+    def __init__(self, config: LaunchConfig, display, *, fed: bool = False):
+        """`fed`: start with no job; `submit` adds them while the run goes on, and the
+        run ends once `close` was called and every job has ended (an engine of
+        wwrun.scale, fed by its driver)."""
         self.config = config
         self.display = display
         self.policy = config.resolved_policy
         self.device = resolve_device(config.device)
         self.log_root = Path(config.log_dir).absolute()
         self.run_dir = self.log_root / config.run_id
-        launcher_cwd = os.getcwd()
-        self.jobs = [
-            _Job(spec, i, self.run_dir, launcher_cwd, config.retries if spec.retries is None else spec.retries)
+        self._launcher_cwd = os.getcwd()
+        self.jobs = [] if fed else [
+            _Job(spec, i, self.run_dir, self._launcher_cwd, config.retries if spec.retries is None else spec.retries)
             for i, spec in enumerate(config.jobs)
         ]
+        self._queue = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
+        self._open = fed
         self._cond = threading.Condition()
         self._interrupted_at: float | None = None
         self._halted: str | None = None
@@ -341,7 +353,6 @@ class _Runner:
         """Start jobs as slots free up, enforce timeouts and --halt, and return when
         every job has ended. Never waits on a thread that is gone, nor unboundedly."""
         limit = self.concurrency
-        self._queue = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
         run_deadline = time.monotonic() + self.config.timeout if self.config.timeout else None
         with self._cond:
             while True:
@@ -379,10 +390,38 @@ class _Runner:
                 for job in self._queue:
                     if job.result.state == JobState.PENDING:
                         self._set_state(job, JobState.QUEUED)
-                if not active and not self._queue:
+                if not active and not self._queue and not (self._open and self._interrupted_at is None):
                     return
                 self._refresh_report(now)
                 self._cond.wait(0.25)
+
+    def submit(self, spec: JobSpec, index: int, folder: str | None = None) -> None:
+        """Queue one more job while the run goes on (a `fed` runner). `index` is its
+        WWRUN_JOB_INDEX; `folder` its log folder (default `<run>/<name>`). It is run
+        once: its retries are the feeder's to decide."""
+        with self._cond:
+            job = _Job(spec, index, self.run_dir, self._launcher_cwd, retries=0)
+            if folder is not None:
+                job.folder = Path(folder)
+                job.result.log_dir = folder
+            self.jobs.append(job)
+            self._set_state(job, JobState.PENDING)
+            if self._interrupted_at is not None or self._halted is not None:
+                self._set_state(job, JobState.CANCELLED, why=self._halted or "the run was interrupted")
+                return
+            self._queue.append(job)
+            self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more `submit`: the run ends once its jobs have."""
+        with self._cond:
+            self._open = False
+            self._cond.notify_all()
+
+    def interrupt(self) -> None:
+        """As the first Ctrl-C (the second ends the process), from any thread."""
+        self._on_signal(signal.SIGINT, None)
 
     def _active(self) -> list[_Job]:
         """Jobs started and not yet ended (running, waiting, or queued for admission)."""

@@ -453,7 +453,11 @@ _RecipeDumper.add_representer(list, _represent_list)
 
 def _dump_value(f, value):
     """A field's value as a recipe writes it: a fraction of the device as a percentage."""
-    return _percent(value) if f.metadata["kind"] == "size" and isinstance(value, float) else value
+    if f.metadata["kind"] not in ("size", "sizes"):
+        return value
+    if isinstance(value, list):  # one per engine
+        return [_percent(v) if isinstance(v, float) else v for v in value]
+    return _percent(value) if isinstance(value, float) else value
 
 
 def _dump_job(job: JobSpec) -> dict:
