@@ -241,6 +241,22 @@ class _Job:
         return self.folder / f"attempt_{self.attempts - 1}" if self.retries else self.folder
 
 
+def handle_interrupts(handler) -> Callable[[], None]:
+    """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
+    only, as Python allows); returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore():
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
 class _Runner:
     def __init__(self, config: LaunchConfig, display, *, fed: bool = False):
         """`fed`: start with no job; `submit` adds them while the run goes on, and the
@@ -768,17 +784,7 @@ class _Runner:
     # -- signals and children -------------------------------------------------------
 
     def _install_signal_handlers(self) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
-
-        def restore():
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
+        return handle_interrupts(self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         if self._interrupted_at is not None:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -385,17 +383,9 @@ class Driver:
     # -- signals ----------------------------------------------------------------------
 
     def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
+        from wwrun.launcher import handle_interrupts
 
-        def restore():
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
+        return handle_interrupts(self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         """The first interrupt goes to every engine (each interrupts its jobs, which
