@@ -241,6 +241,18 @@ class _Job:
         return self.folder / f"attempt_{self.attempts - 1}" if self.retries else self.folder
 
 
+def write_run_report(run_dir: Path, data: dict, note: Callable[[str], None]) -> None:
+    """<run>/report.json, replaced whole (a crash mid-write leaves the previous one);
+    a failure to write is said, never raised: the run goes on."""
+    path = run_dir / "report.json"
+    try:
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(partial, path)
+    except OSError as err:
+        note(f"could not write {path}: {err}")
+
+
 def handle_interrupts(handler) -> Callable[[], None]:
     """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
     only, as Python allows); returns what puts the previous handlers back."""
@@ -693,13 +705,7 @@ class _Runner:
         self._write_report_data(result.to_dict())
 
     def _write_report_data(self, data: dict) -> None:
-        path = self.run_dir / "report.json"
-        try:
-            partial = path.with_suffix(".json.tmp")
-            partial.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(partial, path)
-        except OSError as err:
-            self.display.note(f"could not write {path}: {err}")
+        write_run_report(self.run_dir, data, self.display.note)
 
     def _threads_of(self, job: _Job) -> list[threading.Thread]:
         threads = [job.thread] if job.thread is not None and job.thread.is_alive() else []

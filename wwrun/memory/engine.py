@@ -162,7 +162,6 @@ class _Job:
     claim: int = 0  # the most held above `baseline` over an iteration
     step_need: int = 0  # the most held above `baseline` from backward's end through the step
     iter_peak: int = 0  # the most held since `baseline` was taken
-    grad_bytes: int = 0  # gradients at the latest walk
 
 
 class _Saved:
@@ -779,7 +778,7 @@ class Engine:
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
         if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
-            measured, _ = self._measure_persistent(job)
+            self._measure_persistent(job)
             with self._cond:
                 if job.meter is not None:
                     # What it holds between steps, gradients included (as persistent:
@@ -801,7 +800,7 @@ class Engine:
         """Parameters, buffers, gradients and optimizer state, once per storage.
         Returns (bytes, bytes of the gradients backward has yet to create)."""
         seen: dict[int, int] = {}
-        missing_grads = grads = 0
+        missing_grads = 0
         for model in job.models:
             for tensor in _tensors_of(model.module):
                 if _nbytes(tensor):
@@ -809,7 +808,6 @@ class Engine:
                 grad = getattr(tensor, "grad", None)
                 if grad is not None and _nbytes(grad):
                     seen[_storage_key(grad)] = _nbytes(grad)
-                    grads += _nbytes(grad)
                 elif isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
                     missing_grads += tensor.numel() * tensor.element_size()
         for ref in job.optimizers:
@@ -819,7 +817,6 @@ class Engine:
                     if isinstance(value, torch.Tensor) and _nbytes(value):
                         seen[_storage_key(value)] = _nbytes(value)
         measured = sum(seen.values())
-        job.grad_bytes = grads
         with self._cond:
             self._set_persistent(job, measured)
             job.persistent_peak = max(job.persistent_peak, measured)

@@ -30,7 +30,7 @@ from pathlib import Path
 from wwrun.config import JobSpec, LaunchConfig
 from wwrun.launcher import (
     EXIT_INTERRUPTED, REPORT_EVERY_S, JobResult, JobState, RunResult, _EventLog, _point_latest, _seconds,
-    _write_error_json,
+    _write_error_json, write_run_report,
 )
 from wwrun.scale.engines import START_TIMEOUT_S, death_exit_code
 from wwrun.scale.placement import EngineView, Estimates, choose
@@ -442,13 +442,7 @@ class Driver:
         self._write_report_data(data)
 
     def _write_report_data(self, data: dict) -> None:
-        path = self.run_dir / "report.json"
-        try:
-            partial = path.with_suffix(".json.tmp")
-            partial.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(partial, path)
-        except OSError as err:
-            self.display.note(f"could not write {path}: {err}")
+        write_run_report(self.run_dir, data, self.display.note)
 
 
 def _with_cwd(spec: JobSpec, cwd: str) -> JobSpec:
