@@ -231,8 +231,9 @@ class Engine:
         self._roots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> _Model
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> (_Model, name)
         self._step_handles: list = []
-        # Release listeners hear (job, bytes still held) as backward frees memory:
-        # the allocator uses it to know who is about to free (its rule f).
+        # Release listeners hear (job, bytes held) as a group is granted and as
+        # backward frees memory: the allocator uses it to know who is about to free
+        # (its rule f).
         self.release_listeners: list[Callable[[str, int], None]] = []
         # State listeners hear (job, 'queued' | 'waiting' | 'running') as a job waits
         # for admission, its next NodeGroup waits for memory, or it goes on.
@@ -618,6 +619,10 @@ class Engine:
             job.reserved = want
             self._waited(job, f"wait g{group}", started)
             self._sample(job)
+            # It holds activations now, to be freed within the iteration: another job
+            # the allocator cannot serve (fragmentation, a late model) may wait for them.
+            for listener in self.release_listeners:
+                listener(job.name, want)
 
     def _persistent_admission(self, job: _Job) -> None:
         """A newly found model's persistent bytes, before its first profiled pass."""
