@@ -17,12 +17,16 @@ interleaved repeats.
 
 (a) largest batch per job with 2 and 3 jobs sharing a budget, as a fraction of the
     job's solo maximum: waterwave, and spatial sharing (every job's whole peak must
-    fit, as with processes or MPS side by side). Engine-level: a bisection needs
-    dozens of short runs, so threads between `engine.job_started` and
-    `engine.job_finished` (the calls the launcher makes) stand in for the launcher.
+    fit, as with processes or MPS side by side). A bisection needs dozens of short
+    runs, so threads in the memory sessions of a `wwrun.memory.Memory` (what the
+    launcher holds: the CPU allocator with the budget, the engine) stand in for it.
     A batch "trains" when every job finishes, all ran at once at some point, and the
     measured peak stays in budget.
-(b) oversubscription: 3 jobs whose summed peaks are 1.5x `--memory-limit`:
+(b) oversubscription: 3 jobs whose summed peaks are 1.5x `--memory-limit`, a job's
+    peak being what the allocator reserved for it alone (the device memory a process
+    running it would hold; its allocated peak is recorded too). The jobs are large
+    enough (12 MiB activations, ~75 ms steps) that the allocator's 2 MiB segments and
+    the engine's Python hooks weigh as little as on a GPU:
     `--policy waterwave` against `--policy sequential` (temporal sharing; timed as
     its loops back to back, without the gaps between jobs), and
     against 3 separate processes side by side (spatial sharing). On the CPU nothing
@@ -69,7 +73,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import wwrun  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
-from wwrun.memory import allocator  # noqa: E402
+from wwrun.memory import Memory, allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 INPUTS, CLASSES = 32, 10
@@ -109,14 +113,12 @@ def train(width: int, batch: int, steps: int, seed: int) -> float:
     return loss.item()
 
 
-def run_threads(engine: Engine | None, jobs: list[dict], measured: bool = False) -> tuple[float, dict]:
-    """Run jobs as threads (the launcher's stand-in); (wall seconds, name -> error or None).
-    `measured`: each thread is bound to its job in the CPU allocator, as the launcher does."""
+def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
+    """Run jobs as threads between the engine's job_started and job_finished, with no
+    allocator (the engine's fixed costs); (wall seconds, name -> error or None)."""
     errors: dict[str, BaseException | None] = {}
 
     def body(name, spec):
-        if measured:
-            allocator.mark_job_thread(name)
         try:
             if engine is not None:
                 engine.job_started(name)
@@ -127,9 +129,6 @@ def run_threads(engine: Engine | None, jobs: list[dict], measured: bool = False)
         finally:
             if engine is not None:
                 engine.job_finished(name)
-            if measured:
-                allocator.unmark_job_thread()
-                allocator.cpu_unregister_job(name)
 
     threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
     start = time.perf_counter()
@@ -140,6 +139,27 @@ def run_threads(engine: Engine | None, jobs: list[dict], measured: bool = False)
     return time.perf_counter() - start, errors
 
 
+def run_sessions(memory: Memory, jobs: list[dict]) -> dict:
+    """Run jobs as threads, each in its memory session as the launcher runs it (the
+    allocator binds the thread, the engine admits it); name -> error or None."""
+    errors: dict[str, BaseException | None] = {}
+
+    def body(name, spec):
+        try:
+            with memory.session(name):
+                train(**spec)
+            errors[name] = None
+        except Exception as err:
+            errors[name] = err
+
+    threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     """Whether the jobs train together within `capacity`.
 
@@ -148,14 +168,14 @@ def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     just queued behind the others). concurrent (spatial sharing): the jobs' peaks must
     fit side by side, as separate processes each keeping their peak (caching
     allocators) would need."""
-    allocator.install_cpu_allocator(capacity)
+    memory = Memory("cpu", capacity, policy)  # what the launcher holds: allocator, budget, engine
     try:
-        engine = Engine(capacity, policy, meter=allocator.job_meter)
-        _, errors = run_threads(engine, jobs, measured=True)
+        errors = run_sessions(memory, jobs)
         peaks = [allocator.cpu_job_stats(name)["allocated_bytes"]["peak"] for name in errors]
         assert allocator.cpu_stats()["device"]["reserved_bytes"]["peak"] <= capacity
     finally:
-        allocator.uninstall_cpu_allocator()
+        memory.close()
+    engine = memory.engine
     if any(e is not None and not isinstance(e, (JobTooLarge, torch.OutOfMemoryError)) for e in errors.values()):
         raise next(e for e in errors.values() if e is not None)
     if any(e is not None for e in errors.values()):
@@ -175,12 +195,6 @@ def largest_batch(count: int, width: int, capacity: int, policy: str, high: int)
         else:
             high = mid - 1
     return low
-
-
-def job_peak(width: int, batch: int) -> int:
-    engine = Engine(None, "concurrent")
-    run_threads(engine, [dict(width=width, batch=batch, steps=2, seed=0)])
-    return engine.job_report("job0")["peak_memory_bytes"]
 
 
 def job_args(width: int, batch: int, steps: int, seed: int) -> list[str]:
@@ -276,17 +290,18 @@ def main() -> None:
     result["a_batch_fraction"] = fractions
 
     # (b) oversubscription: 3 jobs whose summed peaks are ~1.5x the budget.
-    batch = 2048
+    batch, steps_b = 24576, max(10, steps // 3)
     _, alone = launched([job_args(width, batch, 3, 0)], "waterwave")
-    peak = alone.jobs[0].extra["peak_memory_bytes"]
+    allocated_peak = alone.jobs[0].extra["peak_memory_bytes"]
+    peak = alone.extra["peak_reserved_bytes"]
     capacity_b = int(3 * peak / 1.5)
-    jobs = [job_args(width, batch, steps, seed) for seed in range(3)]
+    jobs = [job_args(width, batch, steps_b, seed) for seed in range(3)]
     waterwave_peaks = []
 
     def waterwave_run():
         spans, run = launched(jobs, "waterwave", capacity_b)
-        assert run.extra["peak_memory_bytes"] <= capacity_b, run.extra
-        waterwave_peaks.append(run.extra["peak_memory_bytes"])
+        assert run.extra["peak_reserved_bytes"] <= capacity_b, run.extra  # the allocator's, all it holds
+        waterwave_peaks.append(run.extra["peak_reserved_bytes"])
         return makespan(spans)
 
     # Interleaved repeats, so that the load of a shared machine drifts over all alike.
@@ -304,6 +319,7 @@ def main() -> None:
     ww, seq, side, roomy = (statistics.median(times[m]) for m in modes)
     over = 3 * peak / capacity_b
     result["b_job_peak_bytes"] = peak
+    result["b_job_allocated_peak_bytes"] = allocated_peak
     result["b_budget_bytes"] = capacity_b
     result["b_summed_peaks_over_budget"] = round(over, 3)
     result["b_waterwave_peak_over_budget"] = round(max(waterwave_peaks) / capacity_b, 3)
@@ -311,7 +327,7 @@ def main() -> None:
     result["b_speedup_vs_sequential"] = round(seq / ww, 3)
     result["b_speedup_vs_processes"] = round(side / ww, 3)
     result["b_processes_would_need_budget_x"] = round(over, 3)
-    print(f"(b) 3 jobs x {steps} steps, peaks {over:.2f}x the {capacity_b / 2**20:.1f} MiB budget "
+    print(f"(b) 3 jobs x {steps_b} steps, peaks {over:.2f}x the {capacity_b / 2**20:.1f} MiB budget "
           f"(waterwave's measured peak {max(waterwave_peaks) / capacity_b:.2f}x): "
           f"wwrun --policy waterwave {ww:.2f}s | --policy sequential {seq:.2f}s ({seq / ww:.2f}x) | "
           f"3 python processes {side:.2f}s ({side / ww:.2f}x), which need {over:.2f}x the budget")

@@ -247,8 +247,11 @@ def a_secret(alloc, nbytes=64 * 1024):
     blocks fill: freed, it is the segment's only free memory and coalesces with
     nothing (so the interpreted kernel has little to zero)."""
     secret = alloc.alloc_traced(nbytes, A)
-    alloc.alloc(MiB, A)
-    alloc.alloc(MiB - secret.size, A)
+    rest = 2 * MiB - secret.size
+    while rest:  # in pieces of the secret's own pool (tiny ones have their segments)
+        piece = min(rest, 256 * 1024 if nbytes <= 256 * 1024 else MiB)
+        alloc.alloc(piece, A)
+        rest -= piece
     fill(alloc, secret.ptr, secret.size, SECRET)
     return secret
 
@@ -552,6 +555,21 @@ def test_small_requests_do_not_carve_large_segments():
     assert alloc.stats()["device"]["segments"]["current"] == 2
 
 
+def test_tiny_blocks_do_not_split_the_hole_a_half_segment_activation_needs():
+    """1 MiB activations fill 2 MiB small segments two by two; a long-lived tiny
+    tensor (a bias, a scalar) made between them has segments of its own. Mixed in,
+    it took half of the first segment's second MiB, and every segment of a training
+    run ended with one activation and a stranded hole."""
+    alloc = two_jobs()
+    first = alloc.alloc(MiB, A)
+    bias = alloc.alloc(4096, A)
+    second = alloc.alloc(MiB, A)
+    [segment] = [s for s in alloc.segments() if s["base"] <= first < s["base"] + s["size"]]
+    assert segment["base"] <= second < segment["base"] + segment["size"]
+    assert not segment["base"] <= bias < segment["base"] + segment["size"]
+    assert alloc.stats()["device"]["reserved_bytes"]["current"] == 4 * MiB  # one small, one tiny
+
+
 def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
     alloc = two_jobs()
     for _ in range(10):
@@ -559,8 +577,8 @@ def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
     fresh_segment_events = alloc.last_event(A)
     assert fresh_segment_events == 1  # only the zeroing of the new segment
     alloc.hold(A)
-    alloc.free(alloc.alloc(MiB, A))
-    got = alloc.alloc_traced(MiB, B)  # the shared event is recorded now, on A, and is pending
+    alloc.free(alloc.alloc(64 * 1024, A))  # the same (tiny) pool: no new segment
+    got = alloc.alloc_traced(64 * 1024, B)  # the shared event is recorded now, on A, and is pending
     assert got.rule == "c" and got.waited
     assert alloc.last_event(A) == fresh_segment_events + 1
     alloc.complete(A)

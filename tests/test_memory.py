@@ -139,3 +139,55 @@ def test_a_job_s_own_threads_count_to_the_job(tmp_path):
     (job,) = report["jobs"]
     assert job["state"] == "succeeded"
     assert job["peak_memory_bytes"] >= 64 * MiB
+
+
+def test_a_measured_pass_calls_python_once_per_nodegroup_not_per_saved_tensor():
+    """Once profiled, with the allocator measuring, the engine follows backward by one
+    stand-in per NodeGroup (its first saved tensor) instead of hooking every saved
+    tensor: each hook is a GIL hand-over in backward. Losses stay python's."""
+    code = r"""
+import threading, torch
+from torch import nn
+import wwrun.memory.engine as engine_module
+from wwrun.memory import Memory
+
+torch.set_num_threads(1)
+made = []
+class Counted(engine_module._Saved):
+    __slots__ = ()
+    def __init__(self, *args):
+        made.append(args[-1])
+        super().__init__(*args)
+engine_module._Saved = Counted
+
+def run():
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    per_step, losses = [], []
+    for _ in range(4):
+        before = len(made)
+        loss = model(torch.randn(256, 64, generator=g)).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        per_step.append(len(made) - before); losses.append(loss.item())
+    return per_step, losses
+
+memory = Memory("cpu", 64 << 20, "waterwave", nodegroups=4)
+out = {}
+def job():
+    with memory.session("j"):
+        out["j"] = run()
+t = threading.Thread(target=job); t.start(); t.join()
+memory.close()
+plain = run()
+print(out["j"][0], plain[0], out["j"][1] == plain[1])
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    per_step = json.loads(result.stdout.split("]", 1)[0] + "]")
+    same_losses = result.stdout.split()[-1]
+    assert per_step[0] >= 16, "the profiling pass counts every saved tensor (8 Linear inputs, 8 Tanh outputs)"
+    assert all(0 < n <= 4 for n in per_step[2:]), per_step  # one per NodeGroup at most
+    assert same_losses == "True", result.stdout

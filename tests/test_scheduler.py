@@ -203,6 +203,30 @@ def test_two_jobs_each_needing_most_of_the_device_share_it():
     assert sched.request("a", 300, pass_start=True) is Decision.WAIT
 
 
+def test_sharing_jobs_keep_room_for_their_largest_blocks():
+    """Free bytes in pieces may not hold a job's largest block: each sharing job keeps
+    room for its own (as the allocator measures it), at least the base headroom."""
+    sched = Scheduler(1000, headroom_per_job=20)
+    profiled(sched, "a", 100, 350)
+    profiled(sched, "b", 100, 350)
+    assert sched.request("a", 350, pass_start=True) is Decision.GRANT
+    # 1000 - 2 x 20 = 960 >= 100 + 100 + 350 + 350: both passes at once.
+    assert sched.request("b", 350, pass_start=True) is Decision.GRANT
+    sched.release("a", 0)
+    sched.release("b", 0)
+    sched.set_headroom("a", 150)  # a allocates 150-byte blocks
+    sched.set_headroom("b", 10)  # below the base: the base stays
+    assert sched.jobs["b"].headroom == 20
+    assert sched.request("a", 350, pass_start=True) is Decision.GRANT
+    # 1000 - 150 - 20 = 830 < 900, what both passes at once would hold: b waits.
+    assert sched.request("b", 350, pass_start=True) is Decision.WAIT
+    sched.release("a", 0)
+    assert sched.request("b", 350, pass_start=True) is Decision.GRANT
+    sched.finish("a")
+    # Alone, b has the whole capacity: no headroom to keep.
+    assert sched.request("b", 900) is Decision.GRANT
+
+
 def test_new_job_waits_for_room_and_profiles_alone():
     sched = Scheduler(1000)
     profiled(sched, "a", 200, 700)

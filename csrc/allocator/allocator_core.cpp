@@ -89,7 +89,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       if (within_reserved_limit(bytes_of_segment)) {
         void* base = obtain_segment(lock, bytes_of_segment, stream);
         if (base != nullptr) {
-          block = add_segment(base, bytes_of_segment, size <= kSmallRequestBytes, stream);
+          block = add_segment(base, bytes_of_segment, pool_index(size), stream);
           break;
         }
       }
@@ -205,9 +205,9 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
   return best;
 }
 
-Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, bool small,
+Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, PoolIndex kind,
                                         StreamId stream) {
-  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, small, stream};
+  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, kind, stream};
   auto* block = new Block;
   block->ptr = segment->base;
   block->size = bytes;
@@ -289,6 +289,7 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   update_stat(stats_.requested_bytes, asked);
   update_stat(stats_.allocations, 1);
   update_stat(jobs_[job].allocated_bytes, bytes);
+  jobs_[job].largest_block = std::max(jobs_[job].largest_block, bytes);
   jobs_[job].window_peak = std::max(jobs_[job].window_peak, jobs_[job].allocated_bytes.current);
   update_stat(jobs_[job].requested_bytes, asked);
   update_stat(jobs_[job].allocations, 1);
@@ -927,7 +928,7 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
   std::vector<SegmentInfo> result;
   for (const auto& [base, segment] : segments_) {
     SegmentInfo info{reinterpret_cast<std::uintptr_t>(segment->base), segment->size,
-                     segment->stream, segment->small, {}};
+                     segment->stream, segment->small(), {}};
     for (const Block* block = segment->head; block != nullptr; block = block->next) {
       info.blocks.push_back({reinterpret_cast<std::uintptr_t>(block->ptr), block->size,
                              block->allocated, block->event != nullptr || block->deferred,

@@ -5,10 +5,12 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace wwrun::alloc {
 
 constexpr std::size_t kBlockAlignBytes = 512;             // every block starts and ends here
+constexpr std::size_t kTinyRequestBytes = 256 << 10;      // <= 256 KiB: "tiny", see pool_index
 constexpr std::size_t kSmallRequestBytes = 1 << 20;       // <= 1 MiB: "small"
 constexpr std::size_t kSmallSegmentBytes = 2 << 20;       // small requests share 2 MiB segments
 constexpr std::size_t kMediumRequestBytes = 10 << 20;     // < 10 MiB: "medium"
@@ -25,6 +27,20 @@ inline std::size_t segment_size(std::size_t rounded) {
   if (rounded < kMediumRequestBytes) return kMediumSegmentBytes;
   return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
          kLargeSegmentRoundBytes;
+}
+
+// The pool a request is served from, and its segments' kind. Tiny requests
+// (biases, scalars, indices, small layers' weights and gradients) share 2 MiB
+// segments of their own, as small ones do in c10, but apart from requests of up to
+// 1 MiB: mixed in one segment, a long-lived tiny block splits the hole a
+// half-segment activation needs, and a pool of 2 MiB segments ends up with one
+// such activation per segment (jemalloc and tcmalloc segregate sizes for the same
+// reason).
+enum PoolIndex : std::uint8_t { kTinyPool = 0, kSmallPool = 1, kLargePool = 2, kPoolCount = 3 };
+
+inline PoolIndex pool_index(std::size_t rounded) {
+  if (rounded <= kTinyRequestBytes) return kTinyPool;
+  return rounded <= kSmallRequestBytes ? kSmallPool : kLargePool;
 }
 
 // The smallest segment for a request, tried when the usual one does not fit

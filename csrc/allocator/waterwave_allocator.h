@@ -12,7 +12,7 @@
 // Blocks come from device segments, rounded into size classes, found best-fit,
 // split and coalesced. Small requests (<= 1 MiB) and large ones use separate
 // segments and pools, as in c10, so long-lived small tensors do not pin large
-// segments. A freed block remembers its stream, the job it belonged to, and an
+// segments; tiny ones (<= 256 KiB) have their own too (size_classes.h). A freed block remembers its stream, the job it belonged to, and an
 // event recorded at free time on that stream (Note [Lazy events]). An allocation
 // of size n on stream S takes, in priority order:
 //   a. a free block last used on S (stream order makes it safe at once);
@@ -189,8 +189,9 @@ struct Segment {
   char* base = nullptr;
   std::size_t size = 0;
   Block* head = nullptr;
-  bool small = false;  // serves requests <= kSmallRequestBytes only
+  PoolIndex pool = kLargePool;  // the requests it serves (size_classes.h)
   StreamId stream = 0;  // the stream it was created for (memory snapshots)
+  bool small() const { return pool != kLargePool; }  // serves requests <= kSmallRequestBytes
 };
 
 // Best-fit order; lower_bound(n) with a size finds the smallest block >= n.
@@ -212,7 +213,7 @@ struct StreamPool {
   Block* fifo_tail = nullptr;
 };
 
-// All free blocks of one size kind (small or large).
+// All free blocks of one size kind (tiny, small or large: pool_index).
 struct Pool {
   std::unordered_map<StreamId, StreamPool> pending;  // by the stream last used on
   BlockSet ready;
@@ -229,6 +230,9 @@ struct JobStats {
   // an iteration's peak, without disturbing the job's lifetime peak above.
   std::int64_t window_peak = 0;
   std::int64_t num_ooms = 0;
+  // Its largest block: the contiguous room its next request may need, which free
+  // bytes scattered in others' segments cannot give (the engine's sharing headroom).
+  std::int64_t largest_block = 0;
   std::int64_t scrubbed_bytes = 0;  // zeroed at hand-out to this job: another job's data was there
   std::int64_t batch_scrubbed_bytes = 0;  // this job's data zeroed by batched scrubs
 };
@@ -394,9 +398,9 @@ class MemoryFlowAllocator {
 
   Block* take_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
-  Block* add_segment(void* base, std::size_t bytes, bool small, StreamId stream);
-  Pool& pool_of(const Block* block) { return pools_[block->segment->small ? 0 : 1]; }
-  Pool& pool_for(std::size_t size) { return pools_[size <= kSmallRequestBytes ? 0 : 1]; }
+  Block* add_segment(void* base, std::size_t bytes, PoolIndex kind, StreamId stream);
+  Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
+  Pool& pool_for(std::size_t size) { return pools_[pool_index(size)]; }
   bool over_limit(JobId job, std::size_t size) const;
   bool within_reserved_limit(std::size_t segment_bytes) const;
   void* obtain_segment(Lock& lock, std::size_t bytes, StreamId stream);
@@ -443,7 +447,7 @@ class MemoryFlowAllocator {
 
   std::map<char*, Segment*> segments_;  // by base address
   std::unordered_map<void*, Block*> live_;
-  Pool pools_[2];  // small, large
+  Pool pools_[kPoolCount];  // by PoolIndex
   std::vector<Block*> deferred_;
   std::unordered_map<void*, Block*> in_scrub_;  // by address
   std::vector<EventRef*> event_pool_;

@@ -184,6 +184,7 @@ class Memory:
             trace=trace,
             current_job=current_job,
             meter=self._meter if self.allocator == "waterwave" else None,
+            largest_block=self._largest_block if self.allocator == "waterwave" else None,
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
@@ -230,6 +231,15 @@ class Memory:
 
         read = allocator.job_meter(name, self.device)
         return lambda restart=False: (0, 0) if self._closed else read(restart)
+
+    def _largest_block(self, name: str) -> int:
+        """The largest block the allocator gave the job (0 once the run is over)."""
+        if self._closed:
+            return 0
+        from wwrun.memory import allocator
+
+        stats = allocator.job_stats(name) if self.device == "cuda" else allocator.cpu_job_stats(name)
+        return stats["largest_block_bytes"]
 
     def _expect_releases(self, job: str, held: int) -> None:
         """Backward progress, from the engine: jobs still holding activations are about

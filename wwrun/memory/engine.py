@@ -41,7 +41,8 @@ NodeGroup boundaries, never per tensor:
   optimizer step needs, until the step ends. Gradients count as persistent bytes
   (zero_grad may free them, but backward makes them again).
 Saved-tensor accounting (what autograd keeps) remains only to choose the partition
-and to see backward's progress. Without a meter (PyTorch's allocator), the engine
+(profiling passes) and to see backward's progress (afterwards one stand-in per group,
+see _push_sentinel). Without a meter (PyTorch's allocator), the engine
 counts persistent tensors and saved activations itself, as the groups' targets.
 
 The allocator enforces the budget (a job that would overrun it waits for the
@@ -83,9 +84,11 @@ WAIT_POLL_S = 0.5
 
 
 SHARING_HEADROOM = 2 << 20
-"""Bytes each job keeps free when jobs share the budget: what it leaves free inside
-its own segments, measured as the allocator's reserved-but-unallocated bytes on the
-CPU examples (about one partly used small segment, 2 MiB, per job)."""
+"""Bytes each job keeps free at least when jobs share the budget (one small segment),
+and as much as its largest block once the allocator has measured it: the allocator
+holds memory in segments and pools, and the free bytes scattered among other jobs'
+blocks may not hold a job's next large request in one piece (seen: three jobs of
+12 MiB activations stuck with 13 MiB free in pieces under a 127 MiB budget)."""
 
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
@@ -124,6 +127,7 @@ class _Pass:
     nodes: list[Node] = field(default_factory=list)
     node_names: dict = field(default_factory=dict)  # while profiling: submodule -> its name
     saved_hooks: object = None
+    sentinel_hooks: tuple | None = None  # measured steady state: our pushed (pack, unpack)
 
 
 @dataclass(eq=False)
@@ -191,6 +195,10 @@ class Engine:
     meter           job name -> its allocator meter (wwrun.memory.allocator.job_meter),
                     called when the job starts, after its thread is bound; None:
                     no allocator to read, the engine counts tensors itself
+    largest_block   job name -> the largest block the allocator gave it: what the
+                    job keeps free while it shares the budget, at least
+                    SHARING_HEADROOM (free bytes scattered in segments may not hold
+                    its next request in one piece)
     """
 
     def __init__(
@@ -204,6 +212,7 @@ class Engine:
         *,
         current_job: Callable[[], str | None] | None = None,
         meter: Callable[[str], Callable[[bool], tuple[int, int]]] | None = None,
+        largest_block: Callable[[str], int] | None = None,
     ):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -221,9 +230,11 @@ class Engine:
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._meter_of = meter
+        self._largest_block = largest_block
         self._cond = threading.Condition(threading.RLock())
         self._jobs: dict[str, _Job] = {}
         self._total = 0
+        self._sentinels = 0  # group sentinels made (their keys)
         self.peak_total = 0
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
@@ -474,6 +485,9 @@ class Engine:
             # Someone else's saved-tensor hooks (activation checkpointing, offloading)
             # decide what this pass keeps: ours on top would bypass them.
             return
+        if plan is not None and plan.measured and job.meter is not None:
+            self._push_sentinel(job, current, 0)
+            return
         current.saved_hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: self._pack(job, t), _unpack
         )
@@ -491,6 +505,7 @@ class Engine:
         job.current = None
         if current.saved_hooks is not None:
             current.saved_hooks.__exit__(None, None, None)
+        self._pop_sentinel(current)
         current.node_names = {}
         with self._cond:
             if current.plan is None and not failed:
@@ -586,6 +601,8 @@ class Engine:
         self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
         self._gate(job, index, target=self._targets(job, current.plan)[index])
         current.group, current.group_started = index, time.perf_counter()
+        if current.saved_hooks is None:
+            self._push_sentinel(job, current, index)
 
     # ---- admission ----------------------------------------------------------------------
     def _targets(self, job: _Job, plan: Plan) -> list[int]:
@@ -708,6 +725,41 @@ class Engine:
                     self._note_peaks(job)
         return _Saved(tensor, self, job, key, nbytes)
 
+    # A measured pass (the allocator counts the bytes) needs no per-tensor accounting,
+    # only backward's progress: the first tensor each group saves stands for the
+    # group's planned bytes, and its death (backward has gone through the group's
+    # first op) hands them back. Our hooks are pushed at a group's entry and popped
+    # at its first save, so the rest of the pass runs with no Python call per saved
+    # tensor in forward or backward (under contention, each costs a GIL hand-over).
+    def _push_sentinel(self, job: _Job, current: _Pass, group: int) -> None:
+        self._pop_sentinel(current)
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return  # someone else's hooks (checkpointing) decide what this group keeps
+        planned = current.plan.groups[group].retained_bytes
+        if not planned:
+            return
+
+        def pack(tensor):
+            if current.sentinel_hooks is None or _storage_key(tensor) in job.param_keys or not _nbytes(tensor):
+                return tensor
+            self._pop_sentinel(current)
+            with self._cond:
+                self._sentinels += 1
+                key = -self._sentinels  # storages have positive keys
+                job.saved[key] = 1
+                job.retained += planned
+                self._total += planned
+            return _Saved(tensor, self, job, key, planned)
+
+        current.sentinel_hooks = (pack, _unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
+
+    @staticmethod
+    def _pop_sentinel(current: _Pass) -> None:
+        hooks, current.sentinel_hooks = current.sentinel_hooks, None
+        if hooks is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) == hooks:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
     def _unsave(self, job: _Job, key: int, nbytes: int) -> None:
         with self._cond:
             count = job.saved.get(key, 0) - 1
@@ -793,6 +845,8 @@ class Engine:
                 if job.claim and job.name in self.scheduler.jobs:
                     self.scheduler.raise_claim(job.name, job.claim)
                 if job.name in self.scheduler.jobs:
+                    if self._largest_block is not None:
+                        self.scheduler.set_headroom(job.name, self._largest_block(job.name))
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
                     self.scheduler.settle(job.name)
                     self._cond.notify_all()  # a queued job may fit now

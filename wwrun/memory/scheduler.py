@@ -77,6 +77,7 @@ class JobState:
     settled: bool = False  # profiled, and its persistent bytes known
     waiting: Want | None = None
     attained_s: float = 0.0
+    headroom: int = 0  # its largest block: room it needs in one piece (Scheduler._budget)
 
     @property
     def footprint(self) -> int:
@@ -104,7 +105,7 @@ class Scheduler:
     def enqueue(self, name: str, priority: int = 0) -> None:
         if name in self.jobs:
             raise ValueError(f"job {name!r} is already known")
-        self.jobs[name] = JobState(name, priority, next(self._seq))
+        self.jobs[name] = JobState(name, priority, next(self._seq), headroom=self.headroom_per_job)
 
     def try_start(self, name: str) -> bool:
         """True when the queued job may start now; it is then active."""
@@ -130,7 +131,9 @@ class Scheduler:
             return False  # size the running jobs before adding one more
         guess_persistent, guess_claim = self.smallest or (0, 0)
         persistent = sum(j.persistent for j in active) + guess_persistent
-        return persistent + max(guess_claim, *(j.claim for j in active)) <= self._budget(len(active) + 1)
+        newcomer = JobState("", 0, -1, headroom=max(j.headroom for j in active))  # like the others
+        budget = self._budget([*active, newcomer])
+        return persistent + max(guess_claim, *(j.claim for j in active)) <= budget
 
     def finish(self, name: str) -> None:
         """The job ended (success or failure): everything it held is free."""
@@ -148,12 +151,18 @@ class Scheduler:
         return (-job.priority, order, job.seq)
 
     # ---- memory -----------------------------------------------------------------
-    def _budget(self, sharing: int) -> int:
-        """The bytes `sharing` jobs may plan for together: the capacity, less each
-        job's headroom when they share it (the allocator holds memory in segments:
-        what a job leaves free inside its own is not another's to take). A job alone
-        has the whole capacity."""
-        return self.capacity - (self.headroom_per_job * sharing if sharing > 1 else 0)
+    def _budget(self, sharing: list[JobState]) -> int:
+        """The bytes the `sharing` jobs may plan for together: the capacity, less each
+        job's headroom when they share it. The allocator holds memory in segments and
+        pools, so some bytes are always free in pieces among the others' blocks: each
+        job keeps room for its largest block, at least `headroom_per_job` (about a
+        partly used segment). A job alone has the whole capacity."""
+        return self.capacity - (sum(j.headroom for j in sharing) if len(sharing) > 1 else 0)
+
+    def set_headroom(self, name: str, nbytes: int) -> None:
+        """The largest block the job needs in one piece (measured by the allocator)."""
+        job = self.jobs[name]
+        job.headroom = max(self.headroom_per_job, nbytes)
 
     @property
     def used(self) -> int:
@@ -298,7 +307,7 @@ class Scheduler:
         persistent = sum(j.persistent for j in active)
         if want.persistent is not None:
             persistent += want.persistent - job.persistent
-        sharing = sum(1 for j in active if j is job or j.persistent or holding[j.name])
+        sharing = [j for j in active if j is job or j.persistent or holding[j.name]]
         free = self._budget(sharing) - persistent - sum(holding.values())
         if free < 0:
             return False
