@@ -48,6 +48,7 @@ to benchmarks/results/waterwave-<device>.json. The CUDA command has never been r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -113,22 +114,19 @@ def train(width: int, batch: int, steps: int, seed: int) -> float:
     return loss.item()
 
 
-def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
-    """Run jobs as threads between the engine's job_started and job_finished, with no
-    allocator (the engine's fixed costs); (wall seconds, name -> error or None)."""
+def run_threads(jobs: list[dict], session=None) -> tuple[float, dict]:
+    """Run jobs as threads, each inside `session(name)` (a context manager: a
+    Memory's session, as the launcher runs a job, or engine_session); (wall seconds,
+    name -> error or None)."""
     errors: dict[str, BaseException | None] = {}
 
     def body(name, spec):
         try:
-            if engine is not None:
-                engine.job_started(name)
-            train(**spec)
+            with session(name) if session is not None else contextlib.nullcontext():
+                train(**spec)
             errors[name] = None
         except Exception as err:
             errors[name] = err
-        finally:
-            if engine is not None:
-                engine.job_finished(name)
 
     threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
     start = time.perf_counter()
@@ -139,25 +137,19 @@ def run_threads(engine: Engine | None, jobs: list[dict]) -> tuple[float, dict]:
     return time.perf_counter() - start, errors
 
 
-def run_sessions(memory: Memory, jobs: list[dict]) -> dict:
-    """Run jobs as threads, each in its memory session as the launcher runs it (the
-    allocator binds the thread, the engine admits it); name -> error or None."""
-    errors: dict[str, BaseException | None] = {}
+def engine_session(engine: Engine):
+    """A job between the engine's job_started and job_finished, with no allocator
+    (what the engine alone costs)."""
 
-    def body(name, spec):
+    @contextlib.contextmanager
+    def session(name):
+        engine.job_started(name)
         try:
-            with memory.session(name):
-                train(**spec)
-            errors[name] = None
-        except Exception as err:
-            errors[name] = err
+            yield
+        finally:
+            engine.job_finished(name)
 
-    threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    return session
 
 
 def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
@@ -170,7 +162,7 @@ def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     allocators) would need."""
     memory = Memory("cpu", capacity, policy)  # what the launcher holds: allocator, budget, engine
     try:
-        errors = run_sessions(memory, jobs)
+        _, errors = run_threads(jobs, memory.session)
         peaks = [allocator.cpu_job_stats(name)["allocated_bytes"]["peak"] for name in errors]
         assert allocator.cpu_stats()["device"]["reserved_bytes"]["peak"] <= capacity
     finally:
@@ -373,7 +365,8 @@ def main() -> None:
     tiny = [dict(width=16, batch=4, steps=2000, seed=0)]
     costs = {}
     for policy in (None, "concurrent", "waterwave"):
-        runs = [run_threads(Engine(1 << 34, policy) if policy else None, tiny)[0] for _ in range(3)]
+        runs = [run_threads(tiny, engine_session(Engine(1 << 34, policy)) if policy else None)[0]
+                for _ in range(3)]
         costs[policy] = min(runs) / 2000 * 1e6
     result["d_measuring_us_per_iteration"] = round(costs["concurrent"] - costs[None], 1)
     result["d_gating_us_per_iteration"] = round(costs["waterwave"] - costs["concurrent"], 1)

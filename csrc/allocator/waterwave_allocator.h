@@ -12,8 +12,9 @@
 // Blocks come from device segments, rounded into size classes, found best-fit,
 // split and coalesced. Small requests (<= 1 MiB) and large ones use separate
 // segments and pools, as in c10, so long-lived small tensors do not pin large
-// segments; tiny ones (<= 256 KiB) have their own too (size_classes.h). A freed block remembers its stream, the job it belonged to, and an
-// event recorded at free time on that stream (Note [Lazy events]). An allocation
+// segments; tiny ones (<= 256 KiB) have their own too (size_classes.h). A freed
+// block remembers its stream, the job it belonged to, and an event recorded at
+// free time on that stream (Note [Lazy events]). An allocation
 // of size n on stream S takes, in priority order:
 //   a. a free block last used on S (stream order makes it safe at once);
 //   b. a free block whose event has completed, from any stream;

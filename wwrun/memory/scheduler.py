@@ -131,8 +131,8 @@ class Scheduler:
             return False  # size the running jobs before adding one more
         guess_persistent, guess_claim = self.smallest or (0, 0)
         persistent = sum(j.persistent for j in active) + guess_persistent
-        newcomer = JobState("", 0, -1, headroom=max(j.headroom for j in active))  # like the others
-        budget = self._budget([*active, newcomer])
+        headrooms = [j.headroom for j in active]
+        budget = self._budget([*headrooms, max(headrooms)])  # the newcomer like the others
         return persistent + max(guess_claim, *(j.claim for j in active)) <= budget
 
     def finish(self, name: str) -> None:
@@ -151,13 +151,13 @@ class Scheduler:
         return (-job.priority, order, job.seq)
 
     # ---- memory -----------------------------------------------------------------
-    def _budget(self, sharing: list[JobState]) -> int:
-        """The bytes the `sharing` jobs may plan for together: the capacity, less each
-        job's headroom when they share it. The allocator holds memory in segments and
+    def _budget(self, headrooms: list[int]) -> int:
+        """The bytes jobs with these headrooms may plan for together: the capacity,
+        less each job's headroom when they share it. The allocator holds memory in segments and
         pools, so some bytes are always free in pieces among the others' blocks: each
         job keeps room for its largest block, at least `headroom_per_job` (about a
         partly used segment). A job alone has the whole capacity."""
-        return self.capacity - (sum(j.headroom for j in sharing) if len(sharing) > 1 else 0)
+        return self.capacity - (sum(headrooms) if len(headrooms) > 1 else 0)
 
     def set_headroom(self, name: str, nbytes: int) -> None:
         """The largest block the job needs in one piece (measured by the allocator)."""
@@ -307,7 +307,7 @@ class Scheduler:
         persistent = sum(j.persistent for j in active)
         if want.persistent is not None:
             persistent += want.persistent - job.persistent
-        sharing = [j for j in active if j is job or j.persistent or holding[j.name]]
+        sharing = [j.headroom for j in active if j is job or j.persistent or holding[j.name]]
         free = self._budget(sharing) - persistent - sum(holding.values())
         if free < 0:
             return False
