@@ -955,7 +955,7 @@ def run_jobs(*bodies):
 
 def test_cpu_allocator_counts_what_each_job_s_real_ops_allocate(cpu_allocator):
     cpu_allocator(512 * MiB)
-    both_hold = threading.Barrier(2)
+    both_hold = threading.Barrier(2, timeout=60)  # a failed assertion in one job must not hang the other
     sizes = {"job0": 3 * MiB, "job1": 7 * MiB}
 
     def body(name):
