@@ -78,6 +78,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
+  std::string why_not_wait;  // set when rule f finds a deadlock
   Block* block = nullptr;
   for (;;) {
     block = take_free_block(size, stream, out);  // rules a, b, c
@@ -114,15 +115,17 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                      std::chrono::duration<double>(options_.release_wait_s));
     }
-    if (wait_for_releases(lock, job, deadline)) continue;
+    if (wait_for_releases(lock, job, deadline, why_not_wait)) continue;
 
     // g.
-    out_of_memory(job, bytes, size,
-                  within_reserved_limit(tight)
-                      ? "the device has no free memory left"
-                      : "the device memory limit of " +
-                            format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) +
-                            " is reached");
+    if (why_not_wait.empty()) {
+      why_not_wait = within_reserved_limit(tight)
+                         ? "the device has no free memory left"
+                         : "the device memory limit of " +
+                               format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) +
+                               " is reached";
+    }
+    out_of_memory(job, bytes, size, why_not_wait);
   }
 
   // The lock may have been released above (d, e, f), and another thread of the
@@ -298,23 +301,41 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   return block;
 }
 
+// Note [Rule f deadlock]. Jobs that wait here free nothing while they wait. If
+// every job the caller could wait for is already waiting (each for the others'
+// frees), none will free before the deadline, and all of them would fail when it
+// passes. The caller, the latest to arrive, fails at once instead: its frees, as
+// its exception unwinds, wake the others. Only job threads wait (WaitHooks), one
+// per job, so a waiting job has stopped; frees from its unmarked threads (a
+// DataLoader's) still wake a waiter, and the deadline still bounds every wait.
 bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
-                                            std::chrono::steady_clock::time_point deadline) {
-  bool others_will_free = false;
+                                            std::chrono::steady_clock::time_point deadline,
+                                            std::string& why) {
+  bool others_will_free = false, all_others_wait = true;
   for (const std::string& name : expected_releases_) {
     auto other = find_job_locked(name);
-    if (other && *other != job && jobs_[*other].active) others_will_free = true;
+    if (!other || *other == job || !jobs_[*other].active) continue;
+    others_will_free = true;
+    if (waiting_jobs_[*other] == 0) all_others_wait = false;
   }
   const WaitHooks& hooks = options_.wait_hooks;
   if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
+  if (all_others_wait) {
+    ++stats_.num_release_deadlocks;
+    why = "every job it could wait for is waiting for memory too; it gives way so that they "
+          "can go on";
+    return false;
+  }
   const std::uint64_t seen = free_count_;
   ++release_waiters_;
+  ++waiting_jobs_[job];
   ++stats_.num_release_waits;
   void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =
       freed_cv_.wait_until(lock, deadline, [&] { return free_count_ != seen; });
   --release_waiters_;
+  --waiting_jobs_[job];
   if (hooks.after) {
     // Taken back without our lock held: a thread holding what `before` released
     // (the GIL) may be waiting for our lock.
@@ -796,6 +817,7 @@ void MemoryFlowAllocator::reset_after_fork() {
   new (&mutex_) std::mutex();
   new (&freed_cv_) std::condition_variable();
   release_waiters_ = 0;
+  waiting_jobs_.clear();
   expected_releases_.clear();
 }
 

@@ -25,7 +25,9 @@
 //   e. segments that are wholly free are released (waiting only on their own
 //      events) and the request retried;
 //   f. when other jobs are running and will free memory (set_expected_releases),
-//      wait a bounded time for their frees, then retry;
+//      wait a bounded time for their frees, then retry. When every such job is
+//      itself waiting here, none will free: the latest to arrive fails at once
+//      instead (Note [Rule f deadlock]);
 //   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage and the device's usage by job.
 // A job's own limit is checked first: beyond it the job goes straight to g.
@@ -247,6 +249,7 @@ struct DeviceStats {
   std::int64_t num_ooms = 0;
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
+  std::int64_t num_release_deadlocks = 0;  // jobs failed because all they waited for waited too
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
@@ -425,7 +428,7 @@ class MemoryFlowAllocator {
   JobId job_for_allocation_locked(StreamId stream);
   bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
-                         std::chrono::steady_clock::time_point deadline);
+                         std::chrono::steady_clock::time_point deadline, std::string& why);
   [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
                                   const std::string& why);
   void poll_deferred();
@@ -444,6 +447,7 @@ class MemoryFlowAllocator {
   std::condition_variable freed_cv_;  // rule f: signalled on every free
   std::uint64_t free_count_ = 0;
   int release_waiters_ = 0;
+  std::unordered_map<JobId, int> waiting_jobs_;  // job -> its threads waiting in rule f
   std::vector<std::string> expected_releases_;
 
   std::map<char*, Segment*> segments_;  // by base address
