@@ -227,6 +227,40 @@ def test_rule_f_fails_the_latest_of_jobs_waiting_on_each_other_not_all():
     assert alloc.stats()["device"]["num_release_deadlocks"] == 1
 
 
+def test_waiters_whose_bounds_pass_together_fail_one_at_a_time():
+    """A and B both wait for C, which frees nothing in time. The first whose bound
+    passes fails; the other, whose bound passes before that failure has freed
+    anything, waits anew for those frees instead of failing too."""
+    alloc = HostAllocator(36 * MiB)
+    for stream, name in ((A, "A"), (B, "B"), (C, "C")):
+        alloc.register_stream(stream, name)
+    held = {stream: alloc.alloc(11 * MiB, stream) for stream in (A, B, C)}
+    alloc.set_expected_releases(["C"], timeout_s=2.0)
+    outcome = {}
+
+    def job(stream, name):
+        mark_job_thread(name)
+        try:
+            outcome[name] = alloc.alloc_traced(11 * MiB, stream, hold_gil=False)
+        except torch.OutOfMemoryError as error:
+            outcome[name] = error
+            time.sleep(1.0)  # a failing job's frees come late (its traceback unwinds)
+            alloc.free(held[stream])
+        finally:
+            unmark_job_thread()
+
+    threads = [threading.Thread(target=job, args=args) for args in ((A, "A"), (B, "B"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [name for name, got in outcome.items() if isinstance(got, torch.OutOfMemoryError)]
+    assert len(failed) == 1, outcome
+    (survivor,) = {"A", "B"} - set(failed)
+    got = outcome[survivor]
+    assert got.rule == "f" and got.ptr == held[A if failed == ["A"] else B] and got.zeroed
+
+
 def test_rule_d_falls_back_to_the_tightest_segment():
     alloc = two_jobs(capacity=12 * MiB)
     got = alloc.alloc_traced(6 * MiB, A)  # usually a 20 MiB segment: more than the device has

@@ -305,37 +305,60 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
 // every job the caller could wait for is already waiting (each for the others'
 // frees), none will free before the deadline, and all of them would fail when it
 // passes. The caller, the latest to arrive, fails at once instead: its frees, as
-// its exception unwinds, wake the others. Only job threads wait (WaitHooks), one
+// its exception unwinds, wake the others. A waiter that a free has woken (it has
+// not yet retried) is not stuck. Only job threads wait (WaitHooks), one
 // per job, so a waiting job has stopped; frees from its unmarked threads (a
 // DataLoader's) still wake a waiter, and the deadline still bounds every wait.
+// Waiters whose bounds pass together (all waiting on a job that did not free in
+// time) fail one at a time: one whose bound passes after another waiter gave way
+// waits anew for the frees that failure brings.
 bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
-                                            std::chrono::steady_clock::time_point deadline,
+                                            std::chrono::steady_clock::time_point& deadline,
                                             std::string& why) {
   bool others_will_free = false, all_others_wait = true;
   for (const std::string& name : expected_releases_) {
     auto other = find_job_locked(name);
     if (!other || *other == job || !jobs_[*other].active) continue;
     others_will_free = true;
-    if (waiting_jobs_[*other] == 0) all_others_wait = false;
+    // Stuck: waiting, and no free since, which would have woken it to retry.
+    auto waiting = waiting_jobs_.find(*other);
+    if (waiting == waiting_jobs_.end() || waiting->second.threads == 0 ||
+        waiting->second.since != free_count_) {
+      all_others_wait = false;
+    }
   }
   const WaitHooks& hooks = options_.wait_hooks;
   if (!others_will_free || (hooks.may_wait && !hooks.may_wait())) return false;
   if (all_others_wait) {
+    ++gave_way_;
     ++stats_.num_release_deadlocks;
     why = "every job it could wait for is waiting for memory too; it gives way so that they "
           "can go on";
     return false;
   }
-  const std::uint64_t seen = free_count_;
+  const std::uint64_t seen = free_count_, gave_way = gave_way_;
   ++release_waiters_;
-  ++waiting_jobs_[job];
+  Waiting& waiting = waiting_jobs_[job];
+  ++waiting.threads;
+  waiting.since = seen;
   ++stats_.num_release_waits;
   void* token = hooks.before ? hooks.before() : nullptr;
   // wait_until releases the lock while it waits (Note [Locking]).
   const bool freed =
       freed_cv_.wait_until(lock, deadline, [&] { return free_count_ != seen; });
   --release_waiters_;
-  --waiting_jobs_[job];
+  --waiting_jobs_[job].threads;
+  // Decided before the lock is let go below, so that of two waiters whose bounds
+  // pass together only one gives way.
+  bool retry = freed;
+  if (!freed && gave_way_ != gave_way) {  // another waiter failed meanwhile: its frees are coming
+    deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(options_.release_wait_s));
+    retry = true;
+  } else if (!freed) {
+    ++gave_way_;
+  }
   if (hooks.after) {
     // Taken back without our lock held: a thread holding what `before` released
     // (the GIL) may be waiting for our lock.
@@ -343,7 +366,7 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
     hooks.after(token);
     lock.lock();
   }
-  return freed;
+  return retry;
 }
 
 void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,

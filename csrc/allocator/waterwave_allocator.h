@@ -27,7 +27,8 @@
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
 //      itself waiting here, none will free: the latest to arrive fails at once
-//      instead (Note [Rule f deadlock]);
+//      instead, and one failing gives the other waiters a new bound (Note
+//      [Rule f deadlock]);
 //   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage and the device's usage by job.
 // A job's own limit is checked first: beyond it the job goes straight to g.
@@ -428,7 +429,7 @@ class MemoryFlowAllocator {
   JobId job_for_allocation_locked(StreamId stream);
   bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
-                         std::chrono::steady_clock::time_point deadline, std::string& why);
+                         std::chrono::steady_clock::time_point& deadline, std::string& why);
   [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
                                   const std::string& why);
   void poll_deferred();
@@ -447,7 +448,12 @@ class MemoryFlowAllocator {
   std::condition_variable freed_cv_;  // rule f: signalled on every free
   std::uint64_t free_count_ = 0;
   int release_waiters_ = 0;
-  std::unordered_map<JobId, int> waiting_jobs_;  // job -> its threads waiting in rule f
+  struct Waiting {
+    int threads = 0;          // the job's threads waiting in rule f
+    std::uint64_t since = 0;  // free_count_ when the latest began: stuck while unchanged
+  };
+  std::unordered_map<JobId, Waiting> waiting_jobs_;
+  std::uint64_t gave_way_ = 0;  // jobs that failed in rule f (Note [Rule f deadlock])
   std::vector<std::string> expected_releases_;
 
   std::map<char*, Segment*> segments_;  // by base address
