@@ -34,11 +34,18 @@ interleaved repeats.
     would need.
 (c) no oversubscription (a budget holding all three peaks): `--policy waterwave`
     against the 3 separate processes.
+    On a GPU, (b) and (c) are also measured against PyTorch's own cross-stream reuse:
+    the jobs as threads of one wwrun process (`--policy concurrent`) on
+    PYTORCH_ALLOC_CONF=backend:cudaMallocAsync, where the CUDA driver reuses memory
+    freed on another job's stream and inserts the wait itself; it has no gate, so its
+    peak is recorded against the (b) budget.
 (d) the cost of one gate (an admission decision on the job's thread, µs) and the
     engine's fixed cost per iteration (µs, on a tiny model): engine-level
     micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
     a plain thread; and with `--policy waterwave`, the engine measuring and gating)
-    against `python train_job.py`, least of the repeats.
+    against `python train_job.py`, least of the repeats; on the CPU also the cost of
+    routing a job's memory through wwrun's allocator (the same loop in one thread with
+    torch's CPU allocator and with wwrun's).
 
 Prints the figures, then LAST one JSON object on one line; full runs also save it
 to benchmarks/results/waterwave-<device>.json. The CUDA command has never been run
@@ -71,7 +78,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 import wwrun  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
 from wwrun.memory import Memory, allocator  # noqa: E402
@@ -81,6 +88,8 @@ INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 JOB_SCRIPT = os.path.join(HERE, "train_job.py")
+REPO = os.path.dirname(HERE)
+TORCH_BACKEND = "cudaMallocAsync"  # GPU mode's other cross-stream reuse
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -223,6 +232,32 @@ def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None
     return spans, result
 
 
+def torch_allocator_threads(jobs: list[list[str]]) -> tuple[float, int]:
+    """The jobs as threads of one `wwrun --policy concurrent` process on PyTorch's
+    own cross-stream reuse, PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (wwrun keeps
+    a backend the user asked for): the CUDA driver's pool hands memory freed on one
+    job's stream to another's and inserts the wait itself, with no gating. (The
+    makespan of the loops, the peak bytes the pool reserved.)"""
+    log_dir = tempfile.mkdtemp(prefix="wwrun-bench-")
+    try:
+        report = os.path.join(log_dir, "report.json")
+        argv = [sys.executable, "-m", "wwrun", "--policy", "concurrent", "--device", DEVICE, "--quiet",
+                "--log-dir", log_dir, "--report", report]
+        for i, args in enumerate(jobs):
+            argv += [":"] * (i > 0) + [JOB_SCRIPT, *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTORCH_ALLOC_CONF=f"backend:{TORCH_BACKEND}",
+                   PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"wwrun under {TORCH_BACKEND} failed: {done.stderr[-2000:]}")
+        run = json.loads(Path(report).read_text())
+        spans = [loop_span((Path(run["run"]["log_dir"]) / job["name"] / "stdout.log").read_text())
+                 for job in run["jobs"]]
+        return makespan(spans), run["run"]["peak_reserved_bytes"]
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def back_to_back(spans: list[tuple[float, float]]) -> float:
     """The jobs' loop times summed: --policy sequential without the gaps between jobs
     (where the next job builds its model and takes its warm-up steps)."""
@@ -304,11 +339,19 @@ def main() -> None:
         # (c): no oversubscription, the budget holds all three peaks at once.
         "waterwave_roomy": lambda: makespan(launched(jobs, "waterwave", 4 * peak)[0]),
     }
+    async_peaks = []
+    if DEVICE == "cuda":
+        def async_run():
+            seconds, reserved = torch_allocator_threads(jobs)
+            async_peaks.append(reserved)
+            return seconds
+
+        modes["cuda_malloc_async"] = async_run
     times = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, run in modes.items():
             times[mode].append(run())
-    ww, seq, side, roomy = (statistics.median(times[m]) for m in modes)
+    ww, seq, side, roomy = (statistics.median(times[m]) for m in list(modes)[:4])
     over = 3 * peak / capacity_b
     result["b_job_peak_bytes"] = peak
     result["b_job_allocated_peak_bytes"] = allocated_peak
@@ -328,6 +371,16 @@ def main() -> None:
     result["c_speedup_vs_processes"] = round(side / roomy, 3)
     print(f"(c) no oversubscription: wwrun --policy waterwave {roomy:.2f}s | 3 python processes "
           f"{side:.2f}s ({side / roomy:.2f}x)")
+    if async_peaks:
+        # The driver's pool has no gate: the jobs run at once at their summed peaks.
+        driver = statistics.median(times["cuda_malloc_async"])
+        result["bc_cuda_malloc_async_seconds"] = round(driver, 3)
+        result["bc_cuda_malloc_async_peak_over_budget"] = round(max(async_peaks) / capacity_b, 3)
+        result["b_speedup_vs_cuda_malloc_async"] = round(driver / ww, 3)
+        result["c_speedup_vs_cuda_malloc_async"] = round(driver / roomy, 3)
+        print(f"(b, c) 3 threads on {TORCH_BACKEND}: {driver:.2f}s at a peak "
+              f"{max(async_peaks) / capacity_b:.2f}x the (b) budget (no gate); waterwave under the "
+              f"budget {driver / ww:.2f}x, without oversubscription {driver / roomy:.2f}x its speed")
 
     # (d) one gate, and a single job's overhead: `wwrun train_job.py` (one job: plain
     # thread, and --policy waterwave) against `python train_job.py`, on the training
@@ -360,6 +413,11 @@ def main() -> None:
           f"2 warm-up steps, teardown): {result['d_launch_outside_loop_s_small']:.2f}s, "
           f"{result['d_launch_outside_loop_s_large']:.2f}s")
     print(f"(d) one gate: {result['d_gate_us']} µs")
+    if DEVICE == "cpu":
+        routing = cpu_routing_overhead(width=256, batch=512, steps=steps * 2, repeats=repeats)
+        result["d_cpu_allocator_routing_overhead"] = round(routing, 4)
+        print(f"(d) routing a job's CPU memory through the allocator: {routing * 100:+.2f}% on its "
+              f"training loop (one thread, 512 x 256 MLP steps)")
     # The engine's fixed cost per iteration, on a model so small that its compute
     # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
     tiny = [dict(width=16, batch=4, steps=2000, seed=0)]
@@ -377,6 +435,29 @@ def main() -> None:
         with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result))
+
+
+def cpu_routing_overhead(width: int, batch: int, steps: int, repeats: int) -> float:
+    """The cost of counting every byte: a job's loop (train) in this thread with
+    torch's CPU allocator, then with wwrun's installed and the thread marked as a job
+    (as the launcher runs it), interleaved; the least time of each; wwrun's / torch's - 1."""
+    spec = dict(width=width, batch=batch, steps=steps, seed=0)
+    best = {"torch": float("inf"), "wwrun": float("inf")}
+    for _ in range(repeats):
+        for kind in best:
+            if kind == "wwrun":
+                allocator.install_cpu_allocator(1 << 30)
+                allocator.mark_job_thread("bench")
+            try:
+                start = time.perf_counter()
+                train(**spec)
+                best[kind] = min(best[kind], time.perf_counter() - start)
+            finally:
+                if kind == "wwrun":
+                    allocator.unmark_job_thread()
+                    allocator.cpu_empty_cache()
+                    allocator.uninstall_cpu_allocator()
+    return best["wwrun"] / best["torch"] - 1
 
 
 def device_name() -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from wwrun.memory import host_capacity
+from wwrun.memory import host_capacity, torch_backend_requested
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -191,3 +191,33 @@ print(out["j"][0], plain[0], out["j"][1] == plain[1])
     assert per_step[0] >= 16, "the profiling pass counts every saved tensor (8 Linear inputs, 8 Tanh outputs)"
     assert all(0 < n <= 4 for n in per_step[2:]), per_step  # one per NodeGroup at most
     assert same_losses == "True", result.stdout
+
+
+@pytest.mark.parametrize("environ, backend", [
+    ({}, None),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, None),
+    ({"PYTORCH_ALLOC_CONF": "backend:native"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, backend: cudaMallocAsync"}, "cudaMallocAsync"),
+])
+def test_a_cuda_allocator_backend_the_user_asked_torch_for_is_seen(environ, backend):
+    assert torch_backend_requested(environ) == backend
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_user_s_cudamallocasync_is_kept_and_reported(tmp_path):
+    """PYTORCH_ALLOC_CONF=backend:cudaMallocAsync: the jobs run on PyTorch's
+    allocator (wwrun says so), and the report has its figures."""
+    script = str(SCRIPTS / "cuda_memory.py")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--device", "cuda", "--policy", "concurrent", "--quiet",
+         "--log-dir", str(tmp_path / "logs"), "--report", str(report), script, "64", ":", script, "128"],
+        capture_output=True, text=True, timeout=300,
+        env=_env(PYTORCH_ALLOC_CONF="backend:cudaMallocAsync"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "cudaMallocAsync" in done.stderr
+    run = json.loads(report.read_text())["run"]
+    assert run["allocator"] == "native"
+    assert run["peak_reserved_bytes"] >= run["peak_memory_bytes"] >= 128 * MiB

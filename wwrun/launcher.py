@@ -307,7 +307,7 @@ class _Runner:
         )
         if self.memory.allocator == "native":
             try:
-                refuse_job_memory_limits(config, "under PyTorch's allocator (wwrun's could not be installed)")
+                refuse_job_memory_limits(config, "under PyTorch's allocator")
             except ConfigError:
                 self.memory.close()
                 raise

@@ -54,6 +54,18 @@ def host_capacity() -> int:
     return max(can_give - headroom, 64 << 20)
 
 
+def torch_backend_requested(environ=os.environ) -> str | None:
+    """The CUDA allocator backend the user asked torch for, when not its default:
+    `backend:cudaMallocAsync` in PYTORCH_ALLOC_CONF (or its older name,
+    PYTORCH_CUDA_ALLOC_CONF). wwrun keeps it rather than override the request."""
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for item in environ.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "backend" and value.strip() != "native":
+                return value.strip()
+    return None
+
+
 def host_total() -> int:
     """The machine's memory in bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -132,6 +144,11 @@ class Memory:
         from wwrun.config import resolve_size
         from wwrun.memory import allocator
 
+        requested = torch_backend_requested() if self.device == "cuda" else None
+        if requested:
+            self._note(f"PYTORCH_ALLOC_CONF asks for PyTorch's {requested} allocator: the jobs "
+                       "use it, not wwrun's memory-flow allocator")
+            return "native"
         try:
             if self.device == "cuda":
                 allocator.install()
@@ -302,6 +319,11 @@ class Memory:
             stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
             report["peak_memory_bytes"] = stats["device"]["allocated_bytes"]["peak"]
             report["peak_reserved_bytes"] = stats["device"]["reserved_bytes"]["peak"]
+        elif self.device == "cuda":  # PyTorch's allocator: its own figures, all jobs together
+            import torch
+
+            report["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+            report["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         return report
 
 
