@@ -444,6 +444,32 @@ def test_a_job_failing_mid_iteration_releases_its_reservation():
     assert engine.job_report("survives")["wait_s"] > 0.3, "it waited for the failing job"
 
 
+def test_a_job_that_ends_holding_activations_is_no_longer_expected_to_free_them():
+    """Release listeners (the allocator's rule f) hear a job's held bytes as it
+    enters a NodeGroup, and 0 once it ended, even dying mid-forward: no job waits
+    for frees from a job that is gone."""
+    engine = Engine(1 << 30, "waterwave")
+    heard = []
+    engine.release_listeners.append(lambda name, held: heard.append((name, held)))
+
+    held_in_forward = []
+
+    def dies_mid_forward():
+        engine.job_started("fails")
+        model = mlp()
+        model(torch.randn(64, 32)).sum().backward()  # profiled: its groups are gated
+        kept = model(torch.randn(64, 32))  # holds a pass of activations, past its end
+        held_in_forward.append(heard[-1])
+        engine.job_finished("fails")
+        return kept
+
+    t = threading.Thread(target=dies_mid_forward)
+    t.start()
+    t.join(60)
+    assert held_in_forward[0][0] == "fails" and held_in_forward[0][1] > 0
+    assert heard[-1] == ("fails", 0)
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_nodegroups_option_sets_the_number_of_groups(groups):
     engine = Engine(None, "waterwave", nodegroups=groups)

@@ -126,7 +126,7 @@ class Memory:
         self.allocator = self._install(limit)
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
-        self._expected_releases: dict[str, int] = {}
+        self._expected_releases: set[str] = set()  # what rule f was last told
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
         self._closed = False
 
@@ -259,21 +259,23 @@ class Memory:
         return stats["largest_block_bytes"]
 
     def _expect_releases(self, job: str, held: int) -> None:
-        """Backward progress, from the engine: jobs still holding activations are about
-        to free memory; the allocator's rule f waits for them before failing."""
+        """Backward progress, from the engine (under its lock): jobs still holding
+        activations are about to free memory; the allocator's rule f waits for them
+        before failing. It is told only when that set of jobs changes, not at every
+        NodeGroup."""
         from wwrun.memory import allocator
 
-        if self._closed:
+        if self._closed or (held > 0) == (job in self._expected_releases):
             return
         if held > 0:
-            self._expected_releases[job] = held
+            self._expected_releases.add(job)
         else:
-            self._expected_releases.pop(job, None)
-        releases = dict(self._expected_releases)
+            self._expected_releases.discard(job)
+        names = sorted(self._expected_releases)
         if self.device == "cuda":
-            allocator.set_expected_releases(releases)
+            allocator.set_expected_releases(names)
         else:
-            allocator.cpu_set_expected_releases(releases)
+            allocator.cpu_set_expected_releases(names)
 
     # -- figures --------------------------------------------------------------------
     def job_figures(self, name: str) -> dict | None:

@@ -236,6 +236,7 @@ class Engine:
         self._total = 0
         self._sentinels = 0  # group sentinels made (their keys)
         self.peak_total = 0
+        self.trace = trace  # a timeline is recorded (--trace, --memory-plot)
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
         # What a module is to the engine, without a mark on the module itself.
@@ -296,6 +297,8 @@ class Engine:
             self.scheduler.finish(name)
             self._install_global_hooks()
             self._cond.notify_all()
+            for listener in self.release_listeners:  # nothing more to free: rule f stops waiting for it
+                listener(name, 0)
         if getattr(self._local, "job", None) == name:
             self._local.job = None
 
@@ -940,7 +943,8 @@ class Engine:
             self.peak_total = total
 
     def _sample(self, job: _Job) -> None:
-        self.timeline.sample(time.perf_counter(), job.name, self._live(job))
+        if self.trace:  # only the trace and the memory plot read samples
+            self.timeline.sample(time.perf_counter(), job.name, self._live(job))
 
     def _main_plan(self, model: _Model) -> Plan | None:
         """The plan of the signature seen first (the steady-state batch)."""

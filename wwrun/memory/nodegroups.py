@@ -94,9 +94,9 @@ class Plan:
         """The bytes above its pass-start memory a job may hold once it enters each
         group: the most measured up to there, or, unmeasured, the activations the
         groups so far retain."""
-        targets, reach = [], 0
+        targets, reach, measured = [], 0, self.measured
         for group in self.groups:
-            reach = max(reach, group.peak_bytes) if self.measured else reach + group.retained_bytes
+            reach = max(reach, group.peak_bytes) if measured else reach + group.retained_bytes
             targets.append(reach)
         return targets
 
