@@ -23,6 +23,7 @@ PyTorch's. The engine reads each job's allocated bytes from it; the report's
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 HOST_HEADROOM_FRACTION = 0.10
@@ -127,6 +128,7 @@ class Memory:
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
         self._expected_releases: set[str] = set()  # what rule f was last told
+        self._releases_lock = threading.Lock()
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
         self._closed = False
 
@@ -259,23 +261,23 @@ class Memory:
         return stats["largest_block_bytes"]
 
     def _expect_releases(self, job: str, held: int) -> None:
-        """Backward progress, from the engine (under its lock): jobs still holding
-        activations are about to free memory; the allocator's rule f waits for them
-        before failing. It is told only when that set of jobs changes, not at every
-        NodeGroup."""
+        """Backward progress, from the engine: jobs still holding activations are
+        about to free memory; the allocator's rule f waits for them before failing.
+        It is told only when that set of jobs changes, not at every NodeGroup."""
         from wwrun.memory import allocator
 
-        if self._closed or (held > 0) == (job in self._expected_releases):
-            return
-        if held > 0:
-            self._expected_releases.add(job)
-        else:
-            self._expected_releases.discard(job)
-        names = sorted(self._expected_releases)
-        if self.device == "cuda":
-            allocator.set_expected_releases(names)
-        else:
-            allocator.cpu_set_expected_releases(names)
+        with self._releases_lock:  # the last set told is the current one
+            if self._closed or (held > 0) == (job in self._expected_releases):
+                return
+            if held > 0:
+                self._expected_releases.add(job)
+            else:
+                self._expected_releases.discard(job)
+            names = sorted(self._expected_releases)
+            if self.device == "cuda":
+                allocator.set_expected_releases(names)
+            else:
+                allocator.cpu_set_expected_releases(names)
 
     # -- figures --------------------------------------------------------------------
     def job_figures(self, name: str) -> dict | None:
