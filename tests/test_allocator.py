@@ -636,6 +636,24 @@ def test_tiny_blocks_do_not_split_the_hole_a_half_segment_activation_needs():
     assert alloc.stats()["device"]["reserved_bytes"]["current"] == 4 * MiB  # one small, one tiny
 
 
+@pytest.mark.parametrize("small", [4096, 512 * 1024])  # tiny, small
+def test_at_the_limit_a_small_request_borrows_a_larger_class_s_free_block(small):
+    """The limit is reserved by one large segment with room left in it: a small
+    request, which has no segment of its own class and cannot make one, takes a free
+    block there (Note [Borrowing]) rather than fail; the rest stays for large ones."""
+    alloc = two_jobs(capacity=12 * MiB)
+    big = alloc.alloc(10 * MiB + MiB // 2, A)  # and a free 1.5 MiB rest, in a 12 MiB segment
+    got = alloc.alloc_traced(small, B)
+    [segment] = alloc.segments()
+    assert segment["base"] <= got.ptr < segment["base"] + segment["size"]
+    stats = alloc.stats()["device"]
+    assert stats["num_borrows"] == 1 and stats["num_ooms"] == 0
+    assert stats["reserved_bytes"]["current"] == 12 * MiB
+    alloc.free(got.ptr)
+    alloc.free(big)
+    assert alloc.alloc_traced(12 * MiB, A).rule in ("a", "b")  # it coalesced back into one block
+
+
 def test_a_single_stream_records_no_event_until_a_second_stream_allocates():
     alloc = two_jobs()
     for _ in range(10):

@@ -81,7 +81,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::string why_not_wait;  // set when rule f finds a deadlock
   Block* block = nullptr;
   for (;;) {
-    block = take_free_block(size, stream, out);  // rules a, b, c
+    block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
 
     // d. a new segment, the usual size first, then the tightest one.
@@ -107,6 +107,8 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       ++stats_.num_alloc_retries;
       if (release_free_segments_locked(lock) > 0) continue;
     }
+    block = borrow_free_block(size, stream, out);
+    if (block != nullptr) break;
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
       stage = kRuleF;
@@ -169,9 +171,8 @@ void* MemoryFlowAllocator::obtain_segment(Lock& lock, std::size_t bytes, StreamI
   return base;
 }
 
-Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,
+Block* MemoryFlowAllocator::take_free_block(Pool& pool, std::size_t size, StreamId stream,
                                             Allocation& out) {
-  Pool& pool = pool_for(size);
   // a. last used on this stream: stream order makes it safe at once.
   auto own = pool.pending.find(stream);
   if (own != pool.pending.end()) {
@@ -192,6 +193,25 @@ Block* MemoryFlowAllocator::take_free_block(std::size_t size, StreamId stream,
   Block* block = take_pending_from_other_streams(pool, size, stream);
   if (block != nullptr) out.rule = kRuleC;
   return block;
+}
+
+// Note [Borrowing]. Each size class keeps to its own segments, so that long-lived
+// small blocks do not split the holes large requests need. But when no segment
+// can be had (the limit is reached, and rule e freed none), a small request that
+// fails while a larger class's segment has a free block for it would fail a job
+// for the sake of tidiness: it takes that block (split; the rest stays in its
+// class), before any wait (rule f). Never the other way: a larger request cannot
+// use a smaller class's segments.
+Block* MemoryFlowAllocator::borrow_free_block(std::size_t size, StreamId stream,
+                                              Allocation& out) {
+  for (int kind = pool_index(size) + 1; kind < kPoolCount; ++kind) {
+    Block* block = take_free_block(pools_[kind], size, stream, out);
+    if (block != nullptr) {
+      ++stats_.num_borrows;
+      return block;
+    }
+  }
+  return nullptr;
 }
 
 Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::size_t size,

@@ -46,6 +46,7 @@ inline py::dict snapshot_dict(const Snapshot& snap) {
   device["num_alloc_retries"] = dev.num_alloc_retries;
   device["num_release_waits"] = dev.num_release_waits;
   device["num_release_deadlocks"] = dev.num_release_deadlocks;
+  device["num_borrows"] = dev.num_borrows;
   device["scrubbed_bytes"] = dev.scrubbed_bytes;
   device["batch_scrubbed_bytes"] = dev.batch_scrubbed_bytes;
   device["scrub_batches"] = dev.scrub_batches;

@@ -23,7 +23,8 @@
 //      blocks); among several, the oldest event first;
 //   d. a new device segment (the size class's usual size, else the tightest);
 //   e. segments that are wholly free are released (waiting only on their own
-//      events) and the request retried;
+//      events) and the request retried; then a free block in the segments of a
+//      larger size class, taken as in a-c (Note [Borrowing]);
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
 //      itself waiting here, none will free: the latest to arrive fails at once
@@ -251,6 +252,7 @@ struct DeviceStats {
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
   std::int64_t num_release_deadlocks = 0;  // jobs failed because all they waited for waited too
+  std::int64_t num_borrows = 0;  // requests served from a larger size class's segment (Note [Borrowing])
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
@@ -401,7 +403,8 @@ class MemoryFlowAllocator {
  private:
   using Lock = std::unique_lock<std::mutex>;
 
-  Block* take_free_block(std::size_t size, StreamId stream, Allocation& out);
+  Block* take_free_block(Pool& pool, std::size_t size, StreamId stream, Allocation& out);
+  Block* borrow_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
   Block* add_segment(void* base, std::size_t bytes, PoolIndex kind, StreamId stream);
   Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
