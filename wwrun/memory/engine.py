@@ -49,7 +49,9 @@ The allocator enforces the budget (a job that would overrun it waits for the
 frees other jobs' backward is about to make, rule f, then fails alone); the engine
 plans so that it need not. Three things are measured only as they happen: a
 profiling pass (it checks after each module call, so it may overshoot by one
-module's memory before it waits), a newcomer's model (built by its script before
+module's memory before it waits; its backward and step, unmeasured until they end,
+run with no other pass started beside them: the claim reaches the scheduler when
+the iteration ends, `_end_profile`), a newcomer's model (built by its script before
 wwrun sees it; a job is admitted only when one like the smallest seen so far would
 fit) and optimizer state beyond the guess made before the first step (Adam's two
 buffers per parameter). Gradients are reserved when the model is found.
@@ -166,6 +168,9 @@ class _Job:
     claim: int = 0  # the most held above `baseline` over an iteration
     step_need: int = 0  # the most held above `baseline` from backward's end through the step
     iter_peak: int = 0  # the most held since `baseline` was taken
+    # A profiled pass's claim, told the scheduler once its iteration is over: until
+    # then its backward and step, still unmeasured, run with no other pass beside them.
+    profile_claim: int | None = None
 
 
 class _Saved:
@@ -474,6 +479,7 @@ class Engine:
         plan = model.plans.get(signature)
         now = time.perf_counter()
         self._iteration_begins(job)
+        self._end_profile(job)  # a profiled iteration without an optimizer step ends here
         job.current = current = _Pass(model, signature, plan, began=now, group_started=now)
         job.passes += 1
         try:
@@ -587,10 +593,24 @@ class Engine:
             claim = job.claim
         else:  # PyTorch's allocator on CUDA: its transients are there too
             claim = job.retained + (plan.transient_bytes if self.device != "cpu" else 0)
-        # Settled once its optimizer state exists (the first step) or, without one, at its next pass.
-        self.scheduler.end_profile(job.name, claim, settled=False)
+        job.profile_claim = claim  # the scheduler hears it when the iteration ends (_end_profile)
         self.timeline.span(job.name, f"profile {model.label}", current.group_started, time.perf_counter())
         current.group = len(plan.groups) - 1
+
+    def _end_profile(self, job: _Job) -> None:
+        """A profiled iteration is over (its step, or the next pass): the scheduler
+        gets its claim, the most it held over the whole iteration where the allocator
+        measures, and other jobs' passes may start beside it again. Settled once its
+        optimizer state exists (the first step) or, without one, at its next pass."""
+        if job.profile_claim is None:
+            return
+        with self._cond:
+            claim, job.profile_claim = job.profile_claim, None
+            if job.meter is not None:
+                claim = max(claim, job.claim)
+            if job.name in self.scheduler.jobs:
+                self.scheduler.end_profile(job.name, claim, settled=False)
+            self._cond.notify_all()
 
     def _enter_group(self, model: _Model, entry: str) -> None:
         job = self._job()
@@ -835,6 +855,7 @@ class Engine:
                 with self._cond:  # the step is over: until its next pass it needs nothing more
                     job.reserved = 0
                     self._report_held(job)
+        self._end_profile(job)
         # Gradients and optimizer state appear in the first steps; afterwards a
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
         if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
