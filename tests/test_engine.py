@@ -470,6 +470,52 @@ def test_a_job_that_ends_holding_activations_is_no_longer_expected_to_free_them(
     assert heard[-1] == ("fails", 0)
 
 
+def test_a_profiled_pass_that_never_steps_does_not_hold_the_other_jobs_back():
+    """A job's first (profiled) iteration runs with no other pass started beside it
+    until its optimizer step or its next pass; one whose backward never comes (it
+    failed, and the script goes on evaluating under no_grad) ends it there."""
+    engine = Engine(1 << 30, "waterwave")
+    trains_settled, evaluated, trains_done = threading.Event(), threading.Event(), threading.Event()
+    waited = []
+
+    def trains():
+        engine.job_started("trains")
+        try:
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step in range(3):
+                if step == 1:  # settled by its first step: the other job may come in
+                    trains_settled.set()
+                    evaluated.wait(60)
+                loss = model(torch.randn(64, 32)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            trains_done.set()
+        finally:
+            engine.job_finished("trains")
+
+    def evaluates():
+        trains_settled.wait(60)
+        engine.job_started("evaluates")
+        try:
+            model = mlp()
+            model(torch.randn(64, 32))  # profiled; its backward never comes
+            with torch.no_grad():
+                model(torch.randn(64, 32))
+            evaluated.set()
+            waited.append(trains_done.wait(60))
+        finally:
+            engine.job_finished("evaluates")
+
+    threads = [threading.Thread(target=trains), threading.Thread(target=evaluates)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert waited == [True]
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_nodegroups_option_sets_the_number_of_groups(groups):
     engine = Engine(None, "waterwave", nodegroups=groups)

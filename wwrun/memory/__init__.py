@@ -148,8 +148,8 @@ class Memory:
 
         requested = torch_backend_requested() if self.device == "cuda" else None
         if requested:
-            self._note(f"PYTORCH_ALLOC_CONF asks for PyTorch's {requested} allocator: the jobs "
-                       "use it, not wwrun's memory-flow allocator")
+            self._note(f"PyTorch's allocator configuration asks for its {requested} backend: "
+                       "the jobs use it, not wwrun's memory-flow allocator")
             return "native"
         try:
             if self.device == "cuda":

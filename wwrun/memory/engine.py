@@ -459,6 +459,7 @@ class Engine:
         if job is None or job.current is not None:
             return  # another thread, or a model nested in another
         if not torch.is_grad_enabled():
+            self._end_profile(job)  # a profiled iteration (that never stepped) is over
             # A pass that retains nothing. A job that has only run such passes (an
             # evaluation) is sized: nothing retained, so newcomers need not wait for it.
             state = self.scheduler.jobs.get(job.name)
