@@ -285,6 +285,7 @@ def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     assert "job 'B'" in message
     assert "15.00 MiB" in message  # the request
     assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
+    assert "14.00 MiB reserved but free, the largest piece 14.00 MiB" in message
     assert alloc.stats()["rules"]["g"] == 1
     assert alloc.job_stats("B")["num_ooms"] == 1
     assert alloc.job_stats("A")["num_ooms"] == 0

@@ -411,8 +411,11 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
     message << separator << other.name << " " << format_bytes(other.allocated_bytes.current);
     separator = ", ";
   }
-  message << "; " << format_bytes(stats_.pending_event_bytes)
-          << " free behind pending events.";
+  // Free but not in one piece (fragmentation), or free only behind another stream's work.
+  message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current)
+          << " reserved but free, the largest piece "
+          << format_bytes(static_cast<std::int64_t>(largest_free_block_locked())) << "; "
+          << format_bytes(stats_.pending_event_bytes) << " free behind pending events.";
   throw OutOfMemory(message.str());
 }
 
@@ -978,6 +981,10 @@ std::size_t MemoryFlowAllocator::largest_block_for(StreamId stream, std::size_t 
 
 std::size_t MemoryFlowAllocator::largest_free_block() const {
   Lock lock(mutex_);
+  return largest_free_block_locked();
+}
+
+std::size_t MemoryFlowAllocator::largest_free_block_locked() const {
   std::size_t largest = 0;
   for (const Pool& kind : pools_) {
     if (!kind.ready.empty()) largest = std::max(largest, (*kind.ready.rbegin())->size);

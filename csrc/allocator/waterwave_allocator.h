@@ -430,6 +430,7 @@ class MemoryFlowAllocator {
                                            std::optional<JobId> job = std::nullopt);
   JobId thread_job_locked() const;
   JobId job_for_allocation_locked(StreamId stream);
+  std::size_t largest_free_block_locked() const;
   bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
                          std::chrono::steady_clock::time_point& deadline, std::string& why);
