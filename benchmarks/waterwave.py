@@ -44,8 +44,8 @@ interleaved repeats.
     micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
     a plain thread; and with `--policy waterwave`, the engine measuring and gating)
     against `python train_job.py`, least of the repeats; on the CPU also the cost of
-    routing a job's memory through wwrun's allocator (the same loop in one thread with
-    torch's CPU allocator and with wwrun's).
+    routing a job's memory through wwrun's allocator (benchmarks/allocator.py's
+    training loop with torch's CPU allocator and with wwrun's).
 
 Prints the figures, then LAST one JSON object on one line; full runs also save it
 to benchmarks/results/waterwave-<device>.json. The CUDA command has never been run
@@ -83,6 +83,8 @@ import wwrun  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
 from wwrun.memory import Memory, allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
+
+import allocator as allocator_benchmark  # noqa: E402  benchmarks/allocator.py, beside this script
 
 INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -414,10 +416,10 @@ def main() -> None:
           f"{result['d_launch_outside_loop_s_large']:.2f}s")
     print(f"(d) one gate: {result['d_gate_us']} µs")
     if DEVICE == "cpu":
-        routing = cpu_routing_overhead(width=256, batch=512, steps=steps * 2, repeats=repeats)
+        routing = allocator_benchmark.cpu_routing_cost(steps)["cpu_routing_ratio"] - 1
         result["d_cpu_allocator_routing_overhead"] = round(routing, 4)
-        print(f"(d) routing a job's CPU memory through the allocator: {routing * 100:+.2f}% on its "
-              f"training loop (one thread, 512 x 256 MLP steps)")
+        print(f"(d) routing a job's CPU memory through the allocator: {routing * 100:+.2f}% on a "
+              f"training loop (benchmarks/allocator.py's, one thread)")
     # The engine's fixed cost per iteration, on a model so small that its compute
     # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
     tiny = [dict(width=16, batch=4, steps=2000, seed=0)]
@@ -435,29 +437,6 @@ def main() -> None:
         with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result))
-
-
-def cpu_routing_overhead(width: int, batch: int, steps: int, repeats: int) -> float:
-    """The cost of counting every byte: a job's loop (train) in this thread with
-    torch's CPU allocator, then with wwrun's installed and the thread marked as a job
-    (as the launcher runs it), interleaved; the least time of each; wwrun's / torch's - 1."""
-    spec = dict(width=width, batch=batch, steps=steps, seed=0)
-    best = {"torch": float("inf"), "wwrun": float("inf")}
-    for _ in range(repeats):
-        for kind in best:
-            if kind == "wwrun":
-                allocator.install_cpu_allocator(1 << 30)
-                allocator.mark_job_thread("bench")
-            try:
-                start = time.perf_counter()
-                train(**spec)
-                best[kind] = min(best[kind], time.perf_counter() - start)
-            finally:
-                if kind == "wwrun":
-                    allocator.unmark_job_thread()
-                    allocator.cpu_empty_cache()
-                    allocator.uninstall_cpu_allocator()
-    return best["wwrun"] / best["torch"] - 1
 
 
 def device_name() -> str:

@@ -237,11 +237,9 @@ class Memory:
     def abandon(self, name: str) -> None:
         """The job's thread did not stop within its grace period: what it reserved goes
         back now, and its late leave() will not touch a retry of the same name."""
-        session = self._sessions.pop(name, None)
+        self._sessions.pop(name, None)
         if self.engine is not None:
-            self.engine.job_finished(name)
-        if session is not None:
-            self._expect_releases(name, 0)
+            self.engine.job_finished(name)  # and so rule f stops waiting for it
 
     def _meter(self, name: str):
         """The job's (allocated bytes now, most since the window restarted) reader;
@@ -393,7 +391,6 @@ class JobMemory:
         allocator.unmark_job_thread()
         if not current:
             return
-        memory._expect_releases(self.name, 0)
         if memory.device == "cuda":
             allocator.unregister_job(self.name)
         else:

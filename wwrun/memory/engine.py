@@ -241,7 +241,6 @@ class Engine:
         self._total = 0
         self._sentinels = 0  # group sentinels made (their keys)
         self.peak_total = 0
-        self.trace = trace  # a timeline is recorded (--trace, --memory-plot)
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
         # What a module is to the engine, without a mark on the module itself.
@@ -965,7 +964,7 @@ class Engine:
             self.peak_total = total
 
     def _sample(self, job: _Job) -> None:
-        if self.trace:  # only the trace and the memory plot read samples
+        if self.timeline.record_spans:  # recorded for the trace and the memory plot, which read samples
             self.timeline.sample(time.perf_counter(), job.name, self._live(job))
 
     def _main_plan(self, model: _Model) -> Plan | None:
