@@ -323,6 +323,11 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   void createOrIncrefPool(DeviceIndex, MempoolId_t, PoolAllocatorArg) override {
     TORCH_CHECK(false, no_private_pools());
   }
+  // A MemPool's options may be set before its pool is made (torch 2.11-2.13).
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
+    TORCH_CHECK(false, no_private_pools());
+  }
+  void setNoSplit(DeviceIndex, MempoolId_t) override { TORCH_CHECK(false, no_private_pools()); }
   c10alloc::ShareableHandle shareIpcHandle(void*) override {
     TORCH_CHECK(false, unsupported("sharing CUDA tensors between processes"));
   }
