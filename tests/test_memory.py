@@ -310,3 +310,24 @@ def test_threads_a_job_starts_run_on_the_job_s_stream(fake_cuda_device):
     worker.start()
     worker.join(10)
     assert seen["late"] is None  # the job has left: nothing of it is taken up
+
+
+def test_a_stream_s_fixed_cost_made_before_it_is_bound_counts_to_no_job():
+    """What warm_job_stream relies on, on the host allocator: a block made on a
+    stream before it is bound to a job, from an unmarked thread (a stand-in for a
+    cuBLAS workspace), stays the default job's; the job's figures and its limit
+    hold only its own, and a later job on the same stream is not charged for it."""
+    from wwrun.memory.allocator import HostAllocator
+
+    alloc = HostAllocator(64 * MiB)
+    workspace = alloc.alloc(4 * MiB, stream=5)  # before the stream is any job's
+    alloc.register_stream(5, "A", memory_limit=6 * MiB)
+    mine = alloc.alloc(5 * MiB, stream=5)  # within A's limit only if the workspace is not A's
+    assert alloc.job_stats("A")["allocated_bytes"]["current"] == 5 * MiB
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 4 * MiB
+    alloc.free(mine)
+    alloc.unregister_job("A")
+    alloc.register_stream(5, "B")
+    assert alloc.job_stats("B")["allocated_bytes"]["current"] == 0
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 4 * MiB
+    alloc.free(workspace)
