@@ -55,17 +55,6 @@ using c10::MempoolId_t;
 namespace {
 
 void delete_ptr(void* ptr) noexcept;
-
-// The type of createOrIncrefPool's allocator parameter in the installed torch
-// (a raw CUDAAllocator* in older releases, a std::shared_ptr in newer ones).
-template <typename>
-struct ThirdParameter;
-template <typename R, typename C, typename A, typename B, typename T>
-struct ThirdParameter<R (C::*)(A, B, T)> {
-  using type = T;
-};
-using PoolAllocatorArg =
-    ThirdParameter<decltype(&c10alloc::CUDAAllocator::createOrIncrefPool)>::type;
 static_assert(noexcept(delete_ptr(nullptr)), "a DataPtr deleter must never throw");
 
 // Copies our figures into c10's shape; every pool slot gets the aggregate.
@@ -318,12 +307,11 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   }
   void endAllocateToPool(DeviceIndex, MempoolId_t) override {}
   void releasePool(DeviceIndex, MempoolId_t) override {}
-  // Its last parameter went from a raw to a shared pointer between versions:
-  // the override takes whichever the installed torch declares.
-  void createOrIncrefPool(DeviceIndex, MempoolId_t, PoolAllocatorArg) override {
+  // These three have the same signatures in the headers of torch 2.11 and 2.13.
+  void createOrIncrefPool(DeviceIndex, MempoolId_t,
+                          std::shared_ptr<c10alloc::CUDAAllocator>) override {
     TORCH_CHECK(false, no_private_pools());
   }
-  // A MemPool's options may be set before its pool is made (torch 2.11-2.13).
   void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
     TORCH_CHECK(false, no_private_pools());
   }
