@@ -663,7 +663,7 @@ def _warm_up_blas(index: int) -> None:
     """A matmul and a linear layer (cuBLAS and cuBLASLt), forward and backward on
     the current stream: this thread's and the autograd thread's handles get their
     workspaces for it."""
-    with torch.cuda.device(index):
+    with torch.cuda.device(index), torch.enable_grad():
         x = torch.ones(8, 8, device="cuda", requires_grad=True)
         bias = torch.ones(8, device="cuda", requires_grad=True)
         (x @ x + torch.nn.functional.linear(x, x, bias)).sum().backward()
