@@ -131,21 +131,62 @@ def test_every_live_job_gets_its_own_stream_and_an_ended_job_s_goes_to_the_next(
     assert wa.new_job_stream(0).cuda_stream not in {s.cuda_stream for s in streams}
 
 
-def test_device_capacity_is_free_memory_plus_what_the_allocator_holds_less_headroom(monkeypatch):
+class FakeDevice:
+    """A CUDA device for measure_headroom on the CPU: each thread's first warm-up
+    takes 20 MiB outside the allocator (its handles), the very first 100 MiB more
+    (the context, kernels), and, inside the allocator, 66 MiB of workspaces for
+    its stream (a fake per-stream fixed cost) in a segment of its own."""
+
+    MiB = 1 << 20
+
+    def __init__(self):
+        import threading
+
+        self.free, self.allocated, self.reserved = 8000 * self.MiB, 0, 1000 * self.MiB
+        self.warmed, self.lock = set(), threading.Lock()
+
+    def warm_up(self, index):
+        import threading
+
+        with self.lock:
+            if threading.get_ident() in self.warmed:
+                return False
+            self.free -= (20 + (0 if self.warmed else 100) + 66) * self.MiB
+            self.reserved += 66 * self.MiB
+            self.allocated += 66 * self.MiB
+            self.warmed.add(threading.get_ident())
+        return False
+
+    def clear_workspaces(self):
+        self.allocated = 0  # back to the allocator's cache: reserved stays
+
+
+def test_device_capacity_measures_what_goes_outside_the_allocator_and_per_stream(monkeypatch):
     import torch
 
     import wwrun.memory.allocator as wa
 
-    MiB = 1 << 20
-    warmed = []
-    monkeypatch.setattr(wa, "_warm_up_libraries", warmed.append)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (6000 * MiB, 8000 * MiB))
-    monkeypatch.setattr(wa, "is_installed", lambda: True)
-    monkeypatch.setattr(wa, "stats", lambda index: {"device": {"reserved_bytes": {"current": 1000 * MiB}}})
-    assert wa.device_capacity(0) == 7000 * MiB - wa.CAPACITY_HEADROOM_BYTES
-    assert wa.device_capacity(0, headroom=0) == 7000 * MiB and warmed == [0, 0]
+    MiB, device = FakeDevice.MiB, FakeDevice()
+    monkeypatch.setattr(wa, "_headrooms", {})
+    monkeypatch.setattr(wa, "_warm_up_libraries", device.warm_up)
+    monkeypatch.setattr(wa, "_allocator_bytes", lambda index: (device.allocated, device.reserved))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (device.free, 8000 * MiB))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: None)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", device.clear_workspaces, raising=False)
+    assert wa.stream_fixed_cost(0) == 0  # nothing measured yet
+    capacity = wa.device_capacity(0, jobs=3)
+    measured = wa.measure_headroom(0)
+    assert measured == wa.Headroom(process_bytes=120 * MiB, per_thread_bytes=20 * MiB,
+                                   threads=wa.HEADROOM_PROBE_THREADS, stream_fixed_bytes=66 * MiB,
+                                   triton=False)
+    assert wa.stream_fixed_cost(0) == 66 * MiB and device.allocated == 0
+    held_and_free = device.free + device.reserved
+    assert capacity == held_and_free - wa.CAPACITY_HEADROOM_BYTES - 3 * 20 * MiB
+    assert wa.device_capacity(0, headroom=0) == held_and_free  # measured once: no second warm-up
     with pytest.raises(ValueError, match="headroom"):
         wa.device_capacity(0, headroom=-1)
+    with pytest.raises(ValueError, match="threads"):
+        wa.measure_headroom(0, threads=0)
 
 
 def run_fresh(body: str) -> dict:
@@ -495,7 +536,148 @@ def test_device_capacity_after_warm_up():
         free, total = torch.cuda.mem_get_info()
         print(json.dumps({"capacity": capacity, "free": free, "total": total,
                           "reserved": torch.cuda.memory_reserved(),
-                          "headroom": wa.CAPACITY_HEADROOM_BYTES}))
+                          "headroom": wa.capacity_headroom(wa.measure_headroom())}))
     """)
     assert 0 < out["capacity"] <= out["total"] - out["headroom"]
     assert out["capacity"] == out["free"] + out["reserved"] - out["headroom"]
+
+
+# -- fixed costs, headroom, side threads, CUDA graphs (issue 22: 5, 6, 7, 9) ----------
+
+
+@pytest.mark.gpu
+def test_cublas_workspaces_are_per_stream_fixed_costs_not_the_job_s():
+    """torch keeps a cuBLAS workspace per (thread's handle, stream) for good: a job's
+    stream gets two (its thread's, the autograd thread's). Made before the stream is
+    the job's, they count to no job; the budget plans for them instead."""
+    out = run_fresh("""
+        from wwrun.memory import Memory
+        memory = Memory("cuda", None, "concurrent", jobs_at_once=2)  # no engine: nothing else held
+        def job():
+            with memory.session("A"):
+                model = torch.nn.Linear(256, 256).cuda()
+                x = torch.randn(64, 256, device="cuda")
+                model(x).sum().backward()
+                del model, x
+                torch.cuda.current_stream().synchronize()
+                results["job"] = wa.job_stats("A")["allocated_bytes"]["current"]
+        results = {}
+        thread = threading.Thread(target=job); thread.start(); thread.join(300)
+        planned = Memory("cuda", None, "waterwave", jobs_at_once=2)
+        results.update(fixed=wa.stream_fixed_cost(), limit=planned.limit, budget=planned.engine.capacity,
+                       default=wa.job_stats("default")["allocated_bytes"]["current"],
+                       report=memory.run_report()["stream_fixed_bytes"])
+        print(json.dumps(results))
+    """)
+    assert out["job"] == 0
+    assert out["fixed"] >= 1 << 20 and out["default"] >= out["fixed"]
+    assert out["budget"] == out["limit"] - 2 * out["fixed"] == out["limit"] - out["report"]
+
+
+@pytest.mark.gpu
+def test_headroom_is_measured_and_a_job_at_the_limit_gets_out_of_memory_not_a_cuda_error():
+    """measure_headroom sees memory outside the allocator (threads' handles, kernels);
+    with the capacity it sizes, a job that fills the run's limit gets
+    torch.OutOfMemoryError, and a new thread's first cuBLAS, cuDNN and Triton use
+    (memory outside the allocator) still works beside it."""
+    out = run_fresh("""
+        from triton_kernels import zero_ranges_
+        measured = wa.measure_headroom()
+        capacity = wa.device_capacity(jobs=2)
+        torch.cuda.set_per_process_memory_fraction(capacity / torch.cuda.mem_get_info()[1])
+        stream = wa.new_job_stream(); wa.register_stream(stream, "A")
+        held, oom = [], ""
+        with torch.cuda.stream(stream):
+            try:
+                while True:
+                    held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError as error:
+                oom = str(error)
+            del held[-2:]  # back to the allocator's cache: room for B's tensors, not the driver's
+        results = {}
+        def other():  # a new thread: new cuBLAS and cuDNN handles, outside the allocator
+            try:
+                s = wa.new_job_stream(); wa.register_stream(s, "B")
+                with torch.cuda.stream(s):
+                    x, z = torch.ones(64, 64, device="cuda"), torch.ones(1024, device="cuda")
+                    conv = torch.nn.functional.conv2d(torch.ones(1, 3, 16, 16, device="cuda"),
+                                                      torch.ones(4, 3, 3, 3, device="cuda"))
+                    zero_ranges_([z.data_ptr()], [4096], "cuda")
+                    results["ok"] = ((x @ x).sum().item() == 64 * 64 * 64 and conv.sum().item() == 14 * 14 * 4 * 27
+                                     and z.sum().item() == 0)
+            except Exception as error:
+                results["ok"], results["error"] = False, repr(error)
+        thread = threading.Thread(target=other); thread.start(); thread.join(300)
+        print(json.dumps({"process": measured.process_bytes, "per_thread": measured.per_thread_bytes,
+                          "triton": measured.triton, "oom": oom, "held": len(held), **results}))
+    """)
+    assert out["process"] > 0 and out["per_thread"] >= 0 and out["triton"]
+    assert "job 'A'" in out["oom"] and out["held"] > 0 and out["ok"], out.get("error")
+
+
+@pytest.mark.gpu
+def test_a_thread_the_job_starts_is_ordered_with_the_job_s_stream(tmp_path):
+    """Job streams do not wait for the legacy default stream: a side thread's fill,
+    queued behind a long sleep, must be seen by the job's thread right after join."""
+    script = tmp_path / "side_thread.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, threading, torch
+        t = torch.zeros(1 << 20, device="cuda")
+        torch.cuda.synchronize()
+        def side():
+            torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time
+            t.fill_(1.0)
+        worker = threading.Thread(target=side); worker.start(); worker.join()
+        seen = t.sum().item()
+        with open(sys.argv[1], "w") as out:
+            json.dump({"seen": seen, "n": t.numel()}, out)
+    """))
+    result_file, report = tmp_path / "seen.json", tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--device", "cuda", "--quiet", "--log-dir", str(tmp_path / "logs"),
+         "--report", str(report), str(script), str(result_file)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(report.read_text())["run"]["allocator"] == "waterwave"
+    out = json.loads(result_file.read_text())
+    assert out["seen"] == out["n"]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_fail_at_once_in_the_job_with_wwrun_s_message():
+    """Note [No private pools]: torch.cuda.graph, torch.cuda.MemPool and
+    torch.compile(mode="reduce-overhead") are refused before any capture begins,
+    with wwrun's message and its ways out; the job's stream still works after."""
+    out = run_fresh("""
+        results = {}
+        def job():
+            stream = wa.new_job_stream(); wa.register_stream(stream, "A"); wa.mark_job_thread("A")
+            torch.cuda.set_stream(stream)
+            x = torch.ones(1024, device="cuda")
+            try:
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    y = x * 2
+                results["graph"] = "captured"
+            except RuntimeError as error:
+                results["graph"] = str(error)
+            torch.cuda.set_stream(stream)  # torch.cuda.graph left its capture stream current
+            try:
+                torch.cuda.MemPool(); results["pool"] = "made"
+            except RuntimeError as error:
+                results["pool"] = str(error)
+            try:
+                f = torch.compile(lambda t: (t * 3).sum(), mode="reduce-overhead")
+                results["compiled"] = [f(x).item() for _ in range(3)]
+            except Exception as error:
+                results["compiled"] = str(error)
+            results["after"] = (x + 1).sum().item()
+        thread = threading.Thread(target=job); thread.start(); thread.join(600)
+        print(json.dumps(results))
+    """)
+    for key in ("graph", "pool"):
+        assert "wwrun: CUDA graphs" in out[key] and "job 'A'" in out[key] and "cudaMallocAsync" in out[key]
+    compiled = out["compiled"]
+    assert compiled == [3 * 1024.0] * 3 or "wwrun: CUDA graphs" in compiled, compiled
+    assert out["after"] == 2 * 1024.0

@@ -236,3 +236,98 @@ def test_on_cuda_the_user_s_cudamallocasync_is_kept_and_reported(tmp_path):
     run = json.loads(report.read_text())["run"]
     assert run["allocator"] == "native"
     assert run["peak_reserved_bytes"] >= run["peak_memory_bytes"] >= 128 * MiB
+
+
+@pytest.fixture
+def fake_cuda_device(monkeypatch):
+    """Memory on a CUDA device that is not here: an 8 GiB device whose capacity is
+    6 GiB, whose job streams hold 66 MiB each for good (cuBLAS workspaces) and
+    whose set_stream sets a thread-local "current stream", which the fixture's
+    function reads; torch's allocator (no CUDA build)."""
+    import threading
+
+    import torch
+
+    import wwrun.memory as memory_module
+    from wwrun.memory import allocator
+
+    current = threading.local()
+    monkeypatch.setattr(memory_module.Memory, "_device_total", lambda self: 8 << 30)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(current, "stream", s))
+    monkeypatch.setattr(allocator, "install", lambda: (_ for _ in ()).throw(RuntimeError("no CUDA here")))
+    monkeypatch.setattr(allocator, "device_capacity", lambda index, jobs=1: (6 << 30) - jobs * MiB)
+    monkeypatch.setattr(allocator, "stream_fixed_cost", lambda index: 66 * MiB)
+    return lambda: getattr(current, "stream", None)
+
+
+def test_the_budget_leaves_out_each_job_stream_s_fixed_cost(fake_cuda_device):
+    """cuBLAS workspaces are per-stream fixed costs: the engine plans the jobs'
+    claims within the limit less one stream's cost per job at once, and the
+    allocator's limit stays the whole capacity (the workspaces live in it)."""
+    from wwrun.memory import Memory
+
+    memory = Memory("cuda", None, "waterwave", jobs_at_once=3)
+    assert memory.allocator == "native"
+    assert memory.limit == (6 << 30) - 3 * MiB  # device_capacity was asked for 3 jobs' headroom
+    assert memory.fixed_bytes == 3 * 66 * MiB
+    assert memory.engine.capacity == memory.limit - 3 * 66 * MiB
+    limited = Memory("cuda", 1 << 30, "waterwave", jobs_at_once=2)
+    assert limited.engine.capacity == (1 << 30) - 2 * 66 * MiB
+
+
+def test_a_limit_the_job_streams_fixed_costs_fill_is_refused(fake_cuda_device):
+    from wwrun.config import ConfigError
+    from wwrun.memory import Memory
+
+    with pytest.raises(ConfigError, match="cuBLAS workspaces"):
+        Memory("cuda", 128 * MiB, "waterwave", jobs_at_once=2)
+
+
+def test_threads_a_job_starts_run_on_the_job_s_stream(fake_cuda_device):
+    """Job streams do not synchronize with the legacy default stream: a thread the
+    job starts (join_thread, from the thread hooks) makes the job's stream its
+    current one, as long as the job lives."""
+    import threading
+
+    from wwrun.memory import Memory
+
+    memory = Memory("cuda", None, "concurrent", jobs_at_once=1)
+    seen = {}
+
+    def side_thread():
+        memory.join_thread("j")
+        seen["side"] = fake_cuda_device()
+
+    with memory.session("j") as session:
+        job_stream = fake_cuda_device()
+        worker = threading.Thread(target=side_thread)
+        worker.start()
+        worker.join(10)
+    assert job_stream is session.stream and seen["side"] is job_stream
+    worker = threading.Thread(target=lambda: (memory.join_thread("j"), seen.__setitem__("late", fake_cuda_device())))
+    worker.start()
+    worker.join(10)
+    assert seen["late"] is None  # the job has left: nothing of it is taken up
+
+
+def test_a_stream_s_fixed_cost_made_before_it_is_bound_counts_to_no_job():
+    """What warm_job_stream relies on, on the host allocator: a block made on a
+    stream before it is bound to a job, from an unmarked thread (a stand-in for a
+    cuBLAS workspace), stays the default job's; the job's figures and its limit
+    hold only its own, and a later job on the same stream is not charged for it."""
+    from wwrun.memory.allocator import HostAllocator
+
+    alloc = HostAllocator(64 * MiB)
+    workspace = alloc.alloc(4 * MiB, stream=5)  # before the stream is any job's
+    alloc.register_stream(5, "A", memory_limit=6 * MiB)
+    mine = alloc.alloc(5 * MiB, stream=5)  # within A's limit only if the workspace is not A's
+    assert alloc.job_stats("A")["allocated_bytes"]["current"] == 5 * MiB
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 4 * MiB
+    alloc.free(mine)
+    alloc.unregister_job("A")
+    alloc.register_stream(5, "B")
+    assert alloc.job_stats("B")["allocated_bytes"]["current"] == 0
+    assert alloc.job_stats("default")["allocated_bytes"]["current"] == 4 * MiB
+    alloc.free(workspace)

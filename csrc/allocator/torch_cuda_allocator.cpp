@@ -8,7 +8,8 @@
 // job's own figures, empty_cache releases only that job's idle segments, and
 // cacheInfo is capped at the job's headroom: the job is found from the
 // thread's current stream, else from the thread's mark (Note [Side streams]);
-// the launcher's own thread sees the device.
+// the launcher's own thread sees the device. CUDA graphs and private memory
+// pools are refused at once, in the job that asks (Note [No private pools]).
 //
 // Reference: c10/cuda/CUDACachingAllocator.h of the installed torch; the
 // interface changes between versions, so differences are guarded with
@@ -294,15 +295,27 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
     return info;
   }
   bool isHistoryEnabled() override { return false; }
+  // Note [No private pools]: CUDA graphs (torch.cuda.graph, torch.compile(mode=
+  // "reduce-overhead")) and torch.cuda.MemPool route allocations into private
+  // pools, which this allocator does not have. Both enter through
+  // beginAllocateToPool or createOrIncrefPool, before any stream capture
+  // begins, so refusing there fails the calling job alone, with its stream
+  // still usable. No pool ever exists, so ending or releasing one has nothing
+  // to do (and releasePool may run in a destructor, where throwing would abort).
   void beginAllocateToPool(DeviceIndex, MempoolId_t, std::function<bool(cudaStream_t)>) override {
-    TORCH_CHECK(false, unsupported("CUDA graphs and private memory pools"));
+    TORCH_CHECK(false, no_private_pools());
   }
-  void endAllocateToPool(DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false, unsupported("CUDA graphs and private memory pools"));
+  void endAllocateToPool(DeviceIndex, MempoolId_t) override {}
+  void releasePool(DeviceIndex, MempoolId_t) override {}
+  // These three have the same signatures in the headers of torch 2.11 and 2.13.
+  void createOrIncrefPool(DeviceIndex, MempoolId_t,
+                          std::shared_ptr<c10alloc::CUDAAllocator>) override {
+    TORCH_CHECK(false, no_private_pools());
   }
-  void releasePool(DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false, unsupported("CUDA graphs and private memory pools"));
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
+    TORCH_CHECK(false, no_private_pools());
   }
+  void setNoSplit(DeviceIndex, MempoolId_t) override { TORCH_CHECK(false, no_private_pools()); }
   c10alloc::ShareableHandle shareIpcHandle(void*) override {
     TORCH_CHECK(false, unsupported("sharing CUDA tensors between processes"));
   }
@@ -352,6 +365,18 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
  private:
   static std::string unsupported(const char* what) {
     return std::string("wwrun allocator: ") + what + " are not supported";
+  }
+  // Names the job and says the ways out (Note [No private pools]).
+  static std::string no_private_pools() {
+    const std::string& job = job_thread_mark();
+    return std::string("wwrun: CUDA graphs and private memory pools (torch.cuda.graph, "
+                       "torch.compile(mode=\"reduce-overhead\"), torch.cuda.MemPool) are not "
+                       "supported under wwrun's memory-flow allocator") +
+           (job.empty() ? "" : "; job '" + job + "' stops here") +
+           ". Ways out: torch.compile(mode=\"max-autotune-no-cudagraphs\") or the default "
+           "mode (compiled kernels without graphs); or launch the run with "
+           "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (wwrun then keeps PyTorch's allocator, "
+           "which captures graphs); or run this script alone with python";
   }
 
   std::mutex cores_mutex_;  // serialises creating a core

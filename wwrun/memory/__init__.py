@@ -108,6 +108,9 @@ class Memory:
     policy      'waterwave' makes an engine that gates NodeGroups; the baselines
                 ('concurrent', 'sequential') only measure
     note        prints a line to the user (the allocator could not be had, ...)
+    jobs_at_once  the most jobs that run at once: on CUDA each has a stream whose
+                cuBLAS workspaces the budget plans for (`fixed_bytes`), and a thread
+                whose handles the device's headroom keeps room for
     """
 
     def __init__(
@@ -121,9 +124,14 @@ class Memory:
         trace: bool = False,
         note: Callable[[str], None] = lambda line: None,
         current_job: Callable[[], str | None] | None = None,
+        jobs_at_once: int = 1,
     ):
         self.device = device
         self._note = note
+        self.jobs_at_once = max(1, jobs_at_once)
+        self.fixed_bytes = 0
+        """Of `limit`, what the jobs' streams hold for good for no job (cuBLAS
+        workspaces, `allocator.stream_fixed_cost`): the engine plans for the rest."""
         self.allocator = self._install(limit)
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
@@ -167,7 +175,8 @@ class Memory:
         engine: --memory-limit (a fraction means of the device's memory); on CUDA at
         most what the device can really give (`allocator.device_capacity`: free after
         a cuBLAS/cuDNN warm-up, less a headroom for the driver); on the CPU without a
-        limit, none to plan for (the allocator still guards the machine)."""
+        limit, none to plan for (the allocator still guards the machine). On CUDA,
+        sets `fixed_bytes`: the job streams' workspaces, inside the limit."""
         from wwrun.config import resolve_size
 
         total = self._device_total()
@@ -176,15 +185,20 @@ class Memory:
             return resolved
         import torch
 
+        from wwrun.config import ConfigError, format_size
         from wwrun.memory import allocator
 
-        usable = allocator.device_capacity(torch.cuda.current_device())
+        index = torch.cuda.current_device()
+        usable = allocator.device_capacity(index, jobs=self.jobs_at_once)
         if usable <= 0:
-            from wwrun.config import ConfigError, format_size
-
             raise ConfigError("device", f"the GPU has no memory left for jobs (of {format_size(total)}, "
                               "the rest is taken by other processes and the driver's headroom)")
         bytes_ = min(resolved or usable, usable)
+        self.fixed_bytes = allocator.stream_fixed_cost(index) * self.jobs_at_once
+        if self.fixed_bytes >= bytes_:
+            raise ConfigError("memory_limit", f"{format_size(bytes_)} leaves nothing for {self.jobs_at_once} "
+                              f"job(s) at once once their streams' cuBLAS workspaces "
+                              f"({format_size(self.fixed_bytes)}) are held")
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
             torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
         return bytes_
@@ -195,7 +209,7 @@ class Memory:
         from wwrun.memory.engine import Engine
 
         engine = Engine(
-            self.limit,
+            None if self.limit is None else self.limit - self.fixed_bytes,
             policy=policy,
             nodegroups=nodegroups,
             queue=queue,
@@ -226,10 +240,18 @@ class Memory:
         return JobMemory(self, name, priority, memory_limit)
 
     def join_thread(self, name: str) -> None:
-        """A thread the job started: its tensors count to the job, and it may wait for
-        other jobs' frees as the job's own thread does (not once the job has left)."""
+        """A thread the job started (not once the job has left): on CUDA it runs on
+        the job's stream, so its work is ordered with the job's as under `python`
+        (where every thread shares the legacy default stream); its tensors count to
+        the job, and it may wait for other jobs' frees as the job's own thread does."""
         session = self._sessions.get(name)
-        if session is not None and session._bound:
+        if session is None:
+            return
+        if session.stream is not None:
+            import torch
+
+            torch.cuda.set_stream(session.stream)
+        if session._bound:
             from wwrun.memory import allocator
 
             allocator.mark_job_thread(name, session.limit)
@@ -313,6 +335,8 @@ class Memory:
 
     def run_report(self) -> dict:
         report = {"memory_limit_bytes": self.limit, "allocator": self.allocator}
+        if self.device == "cuda":  # of memory_limit_bytes, held by the job streams for no job
+            report["stream_fixed_bytes"] = self.fixed_bytes
         if self.engine is not None:
             report.update(self.engine.run_report())
         if self.allocator == "waterwave":
@@ -341,6 +365,7 @@ class JobMemory:
         self.priority = priority
         self.memory_limit = memory_limit
         self.limit: int | None = None  # bytes, once entered
+        self.stream = None  # on CUDA, the job's stream, current in every thread of the job
         self._bound = False
 
     def __enter__(self) -> JobMemory:
@@ -356,7 +381,9 @@ class JobMemory:
                 import torch
 
                 # A stream of its own (torch's pool recycles 32), handed on when it ends.
-                stream = allocator.new_job_stream(torch.cuda.current_device())
+                self.stream = stream = allocator.new_job_stream(torch.cuda.current_device())
+                # Its cuBLAS workspaces, made before it is the job's, count to no job.
+                allocator.warm_job_stream(stream)
                 allocator.register_stream(stream, self.name, limit)
                 self._bound = True
                 torch.cuda.set_stream(stream)
@@ -366,7 +393,8 @@ class JobMemory:
             import torch
 
             # Each job on its own stream: the legacy default stream would serialize them.
-            torch.cuda.set_stream(torch.cuda.Stream())
+            self.stream = torch.cuda.Stream()
+            torch.cuda.set_stream(self.stream)
         if memory.engine is not None:  # may wait until the job fits beside the others
             memory.engine.job_started(self.name, self.priority)
         return self

@@ -34,7 +34,9 @@ import torch
 
 __all__ = [
     "AllocationTrace",
+    "Headroom",
     "HostAllocator",
+    "capacity_headroom",
     "cpu_empty_cache",
     "cpu_job_stats",
     "cpu_reset_peak_stats",
@@ -50,14 +52,17 @@ __all__ = [
     "job_meter",
     "job_stats",
     "mark_job_thread",
+    "measure_headroom",
     "new_job_stream",
     "register_stream",
     "set_expected_releases",
     "source_dir",
     "stats",
+    "stream_fixed_cost",
     "uninstall_cpu_allocator",
     "unmark_job_thread",
     "unregister_job",
+    "warm_job_stream",
 ]
 
 _CORE_SOURCES = ["allocator_core.cpp"]
@@ -66,14 +71,18 @@ _CPU_SOURCES = ["host_backend.cpp", "cpu_allocator.cpp"]
 _CUDA_SOURCES = ["cuda_backend.cpp", "torch_cuda_allocator.cpp", "cuda_bindings.cpp"]
 _CXX_FLAGS = ["-O3", "-Wall"]  # the language standard is torch's choice
 DEFAULT_RELEASE_WAIT_S = 2.0
-# device_capacity keeps this much back: memory the driver takes after the
-# warm-up, outside any allocator. Each job thread gets its own cuBLAS/cuBLASLt
-# and cuDNN handles, and kernels load lazily on first use (CUDA_MODULE_LOADING=
-# LAZY, CUDA's default): a mix of models' first forward and backward loads
-# hundreds of kernels. Together typically a few hundred MiB; a job that finds
-# the device fuller than the budget says fails with an error from the driver,
-# not one of ours, so this errs on the large side.
+# device_capacity keeps back what the device will give outside any allocator
+# after its warm-up: CAPACITY_HEADROOM_BYTES for what no warm-up foresees
+# (kernels load lazily on first use, CUDA_MODULE_LOADING=LAZY, and a mix of
+# models' first passes loads hundreds; the driver's local memory for spilling
+# kernels; NCCL), plus, for each job at once, what one more thread's first
+# cuBLAS/cuDNN/Triton use was measured to take (its own handles;
+# `measure_headroom`). A job that finds the device fuller than the budget says
+# fails at a kernel launch with an error from the driver, not one of ours, so
+# this errs on the large side.
 CAPACITY_HEADROOM_BYTES = 512 << 20
+HEADROOM_PROBE_THREADS = 2  # threads measure_headroom warms up besides the caller
+_PROBE_WAIT_S = 120.0  # a probe thread's warm-up: first kernel loads, a Triton compile
 
 _build_lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -618,31 +627,176 @@ def unregister_job(job: str, device=None) -> None:
         _idle_job_streams.setdefault(index, []).extend(_job_stream_of.pop((index, job), []))
 
 
-def _warm_up_libraries(index: int) -> None:
-    """A tiny matmul and convolution, so that cuBLAS and cuDNN have made their
-    handles and loaded their first kernels before free memory is read."""
+class Headroom(NamedTuple):
+    """What the first warm-up of a device measured (`measure_headroom`)."""
+
+    process_bytes: int
+    """Device memory the calling thread's warm-up took outside the allocator: the
+    context's growth, its and the autograd thread's cuBLAS/cuDNN handles, the
+    kernels it loaded."""
+    per_thread_bytes: int
+    """Outside the allocator, for each further thread's first cuBLAS, cuDNN and
+    Triton use (its own handles), averaged over `threads` threads."""
+    threads: int
+    stream_fixed_bytes: int
+    """Inside the allocator and held for good, for each stream used forward and
+    backward: torch's cuBLAS/cuBLASLt workspaces, one per (thread's handle,
+    stream), kept in a process-wide map (the job's thread's and the autograd
+    thread's: two per job stream)."""
+    triton: bool
+    """Whether a Triton kernel was part of the warm-up."""
+
+
+_headrooms: dict[int, Headroom] = {}
+_headrooms_lock = threading.Lock()
+
+
+def _allocator_bytes(index: int) -> tuple[int, int]:
+    """(allocated, reserved) bytes of the installed CUDA allocator, wwrun's or PyTorch's."""
+    if is_installed():
+        device = stats(index)["device"]
+        return device["allocated_bytes"]["current"], device["reserved_bytes"]["current"]
+    return torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index)
+
+
+def _warm_up_blas(index: int) -> None:
+    """A matmul and a linear layer (cuBLAS and cuBLASLt), forward and backward on
+    the current stream: this thread's and the autograd thread's handles get their
+    workspaces for it."""
+    with torch.cuda.device(index), torch.enable_grad():
+        x = torch.ones(8, 8, device="cuda", requires_grad=True)
+        bias = torch.ones(8, device="cuda", requires_grad=True)
+        (x @ x + torch.nn.functional.linear(x, x, bias)).sum().backward()
+
+
+def warm_job_stream(stream) -> None:
+    """Makes the calling thread's and the autograd thread's cuBLAS workspaces for
+    a job's `stream` now, before the stream is bound to the job (register_stream)
+    and the thread marked: they are per-stream fixed costs, held by no job (the
+    default one) and planned for by the run's budget (`stream_fixed_cost`), not
+    charged to the job's claim or limit. A later job on the same stream whose
+    thread has the same cuBLAS handle makes none."""
+    with torch.cuda.stream(stream):
+        _warm_up_blas(stream.device.index or 0)
+
+
+def _warm_up_libraries(index: int) -> bool:
+    """cuBLAS and cuBLASLt forward and backward, a convolution (cuDNN) and a
+    Triton kernel when Triton can run here, so that the calling thread has made
+    its handles and loaded its first kernels. Returns whether Triton ran."""
+    triton = False
     with torch.cuda.device(index):
-        x = torch.ones(8, 8, device="cuda")
-        (x @ x).sum().item()
+        _warm_up_blas(index)
         image, kernel = torch.ones(1, 1, 8, 8, device="cuda"), torch.ones(1, 1, 3, 3, device="cuda")
         torch.nn.functional.conv2d(image, kernel).sum().item()
-        torch.cuda.synchronize()
+        zero_ranges_ = _batched_zeroing("cuda")
+        if zero_ranges_ is not None:
+            try:
+                zero_ranges_([image.data_ptr()], [image.numel() * image.element_size()], index)
+                triton = True
+            except Exception:  # noqa: BLE001 - no compiler here: measured without it
+                pass
+        torch.cuda.synchronize(index)
+    return triton
 
 
-def device_capacity(device=None, headroom: int = CAPACITY_HEADROOM_BYTES) -> int:
-    """Bytes the device can really give the jobs: its free memory after a
-    cuBLAS/cuDNN warm-up, plus what the allocator holds (its segments, free or
-    not: the jobs' memory comes from them), less `headroom` (see
-    CAPACITY_HEADROOM_BYTES). Works with PyTorch's allocator too."""
-    if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+def _outside_allocator(index: int, work: Callable[[], object]) -> tuple[int, object]:
+    """(device bytes `work` took outside the allocator, what it returned)."""
+    free_before, _ = torch.cuda.mem_get_info(index)
+    _, reserved_before = _allocator_bytes(index)
+    result = work()
+    torch.cuda.synchronize(index)
+    free_after, _ = torch.cuda.mem_get_info(index)
+    _, reserved_after = _allocator_bytes(index)
+    return max(0, free_before - free_after - (reserved_after - reserved_before)), result
+
+
+def _warm_up_in_threads(index: int, threads: int) -> None:
+    """`threads` new threads warm up at once, each making its own handles."""
+    errors: list[BaseException] = []
+
+    def warm():
+        try:
+            _warm_up_libraries(index)
+        except BaseException as error:  # noqa: BLE001 - raised by the caller
+            errors.append(error)
+
+    workers = [threading.Thread(target=warm, name=f"wwrun-headroom-probe-{n}", daemon=True)
+               for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(_PROBE_WAIT_S)  # the probe's warm-up, bounded
+        if worker.is_alive():
+            raise RuntimeError("wwrun allocator: a headroom probe thread's warm-up did not end "
+                               f"within {_PROBE_WAIT_S:.0f}s")
+    if errors:
+        raise errors[0]
+
+
+def measure_headroom(device=None, threads: int = HEADROOM_PROBE_THREADS) -> Headroom:
+    """Measures, once per device and process, what the device gives outside the
+    allocator (free memory before and after warm-ups of the calling thread, then
+    of `threads` new threads at once: cuBLAS, cuBLASLt, cuDNN and a Triton kernel)
+    and the cuBLAS workspaces a stream holds inside it. torch's workspaces are
+    dropped afterwards (no job runs yet; what they held stays in the allocator's
+    cache). Call it before jobs start, as device_capacity does; later calls
+    return the first measurement. For `wwrun doctor` too."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive count, got {threads!r}")
+    index = _device_index(device)
+    with _headrooms_lock:
+        if index in _headrooms:
+            return _headrooms[index]
+        torch.cuda.synchronize(index)
+        allocated_before, _ = _allocator_bytes(index)
+        process, triton = _outside_allocator(index, lambda: _warm_up_libraries(index))
+        allocated_after, _ = _allocator_bytes(index)  # its tensors are gone: the workspaces stay
+        in_threads, _ = _outside_allocator(index, lambda: _warm_up_in_threads(index, threads))
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:  # the probes' workspaces would serve no job
+            torch.cuda.synchronize(index)
+            clear()
+        _headrooms[index] = Headroom(
+            process_bytes=process,
+            per_thread_bytes=in_threads // threads,
+            threads=threads,
+            stream_fixed_bytes=max(0, allocated_after - allocated_before),
+            triton=bool(triton),
+        )
+        return _headrooms[index]
+
+
+def stream_fixed_cost(device=None) -> int:
+    """Bytes each job stream holds for good in the allocator, for no job: torch's
+    cuBLAS workspaces of the job's thread and of the autograd thread
+    (`Headroom.stream_fixed_bytes`; 0 before `measure_headroom`). The run's
+    budget plans for it once per job at once."""
+    measured = _headrooms.get(_device_index(device))
+    return 0 if measured is None else measured.stream_fixed_bytes
+
+
+def capacity_headroom(measured: Headroom, jobs: int = 1) -> int:
+    """What device_capacity keeps back for `jobs` jobs at once: CAPACITY_HEADROOM_BYTES,
+    plus the measured per-thread bytes for each job's thread."""
+    return CAPACITY_HEADROOM_BYTES + measured.per_thread_bytes * max(1, jobs)
+
+
+def device_capacity(device=None, headroom: int | None = None, *, jobs: int = 1) -> int:
+    """Bytes the device can really give the jobs' allocator: its free memory after
+    the warm-ups of `measure_headroom`, plus what the allocator holds (its
+    segments, free or not: the jobs' memory comes from them), less `headroom`
+    (None: `capacity_headroom` for `jobs` jobs at once). Works with PyTorch's
+    allocator too. The per-stream fixed costs (`stream_fixed_cost`) come out of
+    it: the run's budget subtracts them."""
+    if headroom is not None and (isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0):
         raise ValueError(f"headroom must be a number of bytes >= 0, got {headroom!r}")
     index = _device_index(device)
-    _warm_up_libraries(index)
+    measured = measure_headroom(index)
+    if headroom is None:
+        headroom = capacity_headroom(measured, jobs)
     free, _total = torch.cuda.mem_get_info(index)
-    if is_installed():
-        held = stats(index)["device"]["reserved_bytes"]["current"]
-    else:
-        held = torch.cuda.memory_reserved(index)
+    _, held = _allocator_bytes(index)
     return max(0, free + held - headroom)
 
 
