@@ -363,10 +363,10 @@ def test_a_job_that_closed_its_stderr_and_failed_still_ends(tmp_path):
 
 
 def test_the_launcher_never_waits_on_a_thread_that_has_ended(tmp_path, monkeypatch):
-    from wwrun import launcher
+    from wwrun.runner import Runner
 
     # A job thread that ends without a word (the worst case: no state, no notify).
-    monkeypatch.setattr(launcher._Runner, "_job_main", lambda self, job: None)
+    monkeypatch.setattr(Runner, "_job_main", lambda self, job: None)
     result = _launch_bounded(tmp_path, ending("silent"))
     assert result.jobs[0].state == JobState.FAILED
     assert "ended without reporting" in result.jobs[0].error

@@ -1,5 +1,5 @@
 """Engines behind one interface: a process of this machine (multiprocessing, spawn)
-or a Ray actor, each running one fed `_Runner` (a whole wwrun engine on its device).
+or a Ray actor, each running one fed `wwrun.runner.Runner` (a whole wwrun engine on its device).
 
 Messages from an engine to the driver (tuples, first the kind):
 
@@ -48,19 +48,19 @@ def engine_config(config, limit, index: int):
 
 
 class EngineCore:
-    """One engine, in the process that hosts it: a fed `_Runner` on its own thread,
+    """One engine, in the process that hosts it: a fed `Runner` on its own thread,
     its states, lines and memory sent through `send`."""
 
     def __init__(self, config, index: int, send):
         from wwrun import isolation, libstate, rng
-        from wwrun.launcher import _Runner
+        from wwrun.runner import Runner
 
         self.index = index
         self.send = send
         isolation.install()
         libstate.install()
         rng.install()
-        self.runner = _Runner(config, _Forward(self), fed=True)
+        self.runner = Runner(config, _Forward(self), fed=True)
         self._thread = threading.Thread(target=self._run, name=f"wwrun-engine-{index}", daemon=True)
         self._ended = threading.Event()
 
