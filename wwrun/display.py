@@ -138,6 +138,8 @@ class PlainDisplay(QuietDisplay):
             return
         self._shown[result.name] = result.state.value
         detail = f" (exit {result.exit_code}, {result.wall_s:.1f}s)" if result.state.is_final and result.wall_s else ""
+        if result.reason:
+            detail = f": {result.reason}"
         with self._lock:
             self.err.write(f"[wwrun] {result.name}: {result.state.value}{detail}")
 
@@ -199,12 +201,14 @@ class LiveDisplay(QuietDisplay):
             # on what it waits for until it has a line of its own.
             started = state not in _NOT_STARTED
             last_line = job.output.last_line if job.output else ""
+            if state == "queued" or not last_line:  # a queued job's last line is an earlier attempt's
+                last_line = result.reason or _WAITING_FOR.get(state, last_line)
             table.add_row(
                 result.name,
                 Text(state, style=_STYLE[state]),
                 _elapsed(result.wall_s),
                 format_size(self.runner.memory_of(result.name)) if started else "-",
-                Text(last_line or _WAITING_FOR.get(state, ""), style="dim"),
+                Text(last_line, style="dim"),
             )
         return table
 

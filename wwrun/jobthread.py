@@ -35,11 +35,12 @@ def run_job(job, memory) -> tuple[int, str | None]:
         session.__enter__()  # may wait until the job fits beside the others
         _run_code(job.spec, ctx)
     except BaseException as exc:  # noqa: BLE001 - every way a script can end
-        code, error = _outcome(exc, ctx)
+        job.no_room = type(exc).__name__ == "NoRoomYet"
+        # Not fitting yet is a wait, not the script's error: nothing in its output.
+        code, error = _outcome(exc, ctx, quiet=job.no_room)
         if isinstance(exc, KeyboardInterrupt):
             job.interrupted = True
         job.out_of_memory = _is_out_of_memory(exc)
-        job.no_room = type(exc).__name__ == "NoRoomYet"
     try:  # as at interpreter exit: first the non-daemon threads, then atexit
         _join_job_threads(ctx)
         isolation.run_atexit_handlers(ctx)
@@ -92,9 +93,9 @@ def _run_code(spec: JobSpec, ctx: isolation.JobContext) -> None:
     exec(code, main.__dict__)
 
 
-def _outcome(exc: BaseException, ctx: isolation.JobContext) -> tuple[int, str | None]:
+def _outcome(exc: BaseException, ctx: isolation.JobContext, quiet: bool = False) -> tuple[int, str | None]:
     """(exit code, error message) for the way a script ended, printing what Python
-    would print at exit into the job's stderr."""
+    would print at exit into the job's stderr (unless `quiet`)."""
     if isinstance(exc, SystemExit):
         code = exc.code
         if code is None:
@@ -109,7 +110,8 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext) -> tuple[int, str | 
         _write_quietly(ctx.stderr, "KeyboardInterrupt\n")
         return EXIT_INTERRUPTED, "interrupted"
     ctx.traceback = _script_traceback(exc)
-    _write_quietly(ctx.stderr, ctx.traceback)
+    if not quiet:
+        _write_quietly(ctx.stderr, ctx.traceback)
     return 1, f"{type(exc).__name__}: {exc}"
 
 

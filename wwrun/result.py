@@ -38,8 +38,10 @@ class JobState(str, enum.Enum):
     pending | queued -> cancelled (interrupt, --halt or the run's timeout before it started)
 
     `queued`: waiting for a slot (`max_concurrent`, `sequential`), for admission
-    beside the running jobs' memory (the engine says so), or to be retried; its
-    script (attempt) has not started.
+    beside the running jobs' memory (the engine says so, or its model turned out not
+    to fit beside them: it starts again once one ends), or to be retried; its script
+    (attempt) has not started. A wait is a state, not an error: `JobResult.reason`
+    says what a queued or waiting job waits for.
     """
 
     PENDING = "pending"
@@ -71,7 +73,13 @@ class JobResult:
     ended: float | None = None
     error: str | None = None
     log_dir: str | None = None
+    reason: str | None = None
+    """What a queued or waiting job waits for; None in every other state."""
     extra: dict = field(default_factory=dict)
+
+    def set_state(self, state: JobState, reason: str | None = None) -> None:
+        self.state = state
+        self.reason = reason if state in (JobState.QUEUED, JobState.WAITING) else None
 
     @property
     def wall_s(self) -> float | None:
@@ -93,6 +101,7 @@ class JobResult:
             "started": iso(self.started),
             "wall_s": _round(self.wall_s),
             "error": self.error,
+            **({"reason": self.reason} if self.reason else {}),
             **self.extra,
         }
 
@@ -222,6 +231,8 @@ class EventLog:
             "exit_code": job.result.exit_code,
             "attempt": job.attempts,
         }
+        if job.result.reason:
+            record["reason"] = job.result.reason
         with self._lock:
             try:
                 self._file.write(json.dumps(record) + "\n")

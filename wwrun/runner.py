@@ -89,6 +89,9 @@ class Job:
         self.no_room = False
         """It fits alone but not beside the running jobs (the engine's NoRoomYet): it
         starts again, not counted as an attempt, once another job has ended."""
+        self.no_room_since: float | None = None
+        self.no_room_s = 0.0
+        """Seconds queued, after not fitting, until it started again: part of its `queued_s`."""
         self.retry_after_ends = 0
         self.stop: tuple[int, str] | None = None
         """(exit code, error) the launcher ended this job with (timeout, --halt now)."""
@@ -256,7 +259,7 @@ class Runner:
                     active.append(job)
                 for job in self._queue:
                     if job.result.state == JobState.PENDING:
-                        self._set_state(job, JobState.QUEUED)
+                        self._set_state(job, JobState.QUEUED, why=f"waiting for a slot ({limit} job(s) at once)")
                 if not active and not self._queue and not (self._open and self._interrupted_at is None):
                     return
                 self._refresh_report(now)
@@ -351,6 +354,9 @@ class Runner:
         job.deadline = time.monotonic() + spec.timeout if spec.timeout else None
         job.stop = job.stop_asked_at = None
         job.out_of_memory = job.no_room = False
+        if job.no_room_since is not None:
+            job.no_room_s += time.monotonic() - job.no_room_since
+            job.no_room_since = None
         self._set_state(job, JobState.RUNNING)
         # Daemon: a job stuck past the grace period must not keep the process alive.
         job.thread = threading.Thread(target=self._job_main, args=(job,), name=f"wwrun:{spec.name}", daemon=True)
@@ -391,7 +397,7 @@ class Runner:
         memory for its next NodeGroup, or running again."""
         job = next((j for j in self.jobs if j.spec.name == name), None)
         if job is not None and not job.result.state.is_final:
-            self._set_state(job, JobState(state))
+            self._set_state(job, JobState(state), why=_ENGINE_WAITS.get(state))
 
     # -- bookkeeping ----------------------------------------------------------------
 
@@ -420,10 +426,9 @@ class Runner:
             state = JobState.FAILED
         if state == JobState.FAILED and job.no_room and self._may_retry(job, counted=False):
             # It fits alone: not a failure of the script's, which starts again from the top.
-            self.display.note(f"{job.spec.name} does not fit beside the running jobs yet: "
-                              "it starts again once one of them ends")
             job.attempts -= 1
-            self._requeue(job)
+            job.no_room_since = time.monotonic()
+            self._requeue(job, NO_ROOM_YET)
             return
         if code != 0:
             write_error_json(job, code, error)
@@ -432,7 +437,8 @@ class Runner:
                 f"{job.spec.name} failed ({error or f'exit {code}'}): attempt {job.attempts + 1} of "
                 f"{job.retries + 1}{', once memory frees up' if job.out_of_memory else ''}"
             )
-            self._requeue(job)
+            self._requeue(job, f"to be retried (attempt {job.attempts + 1} of {job.retries + 1})"
+                               f"{', once memory frees up' if job.out_of_memory else ''}")
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
@@ -443,12 +449,12 @@ class Runner:
                         other.interrupted = True
                         self._stop(other, EXIT_INTERRUPTED, f"interrupted: {job.spec.name} failed (--halt now)")
 
-    def _requeue(self, job: Job) -> None:
+    def _requeue(self, job: Job, why: str) -> None:
         job.retry_after_ends = self._ends
         job.thread = None
         self._queue.append(job)
         self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-        self._set_state(job, JobState.QUEUED)
+        self._set_state(job, JobState.QUEUED, why=why)
 
     def _may_retry(self, job: Job, counted: bool = True) -> bool:
         """A failed attempt is queued again while retries are left (`counted`), unless
@@ -463,7 +469,8 @@ class Runner:
         return job.thread is None or job.thread is threading.current_thread() or not job.thread.is_alive()
 
     def _set_state(self, job: Job, state: JobState, why: str | None = None) -> None:
-        job.result.state = state
+        """`why`: what a queued or waiting job waits for, why one was cancelled."""
+        job.result.set_state(state, why)
         if why is not None and state == JobState.CANCELLED:
             job.result.error = why
         self._events.emit(job, state)
@@ -473,10 +480,10 @@ class Runner:
         """The run's result; `partial` while it goes on (for the running report: no
         engine figures, but each job's threads and last lines, for a crash)."""
         results = [job.result for job in self.jobs]
-        for result in results:
+        for job in self.jobs:
             if partial:
                 break
-            result.extra.update(self.memory.job_report(result.name, started=result.started is not None))
+            job.result.extra.update(self.job_report(job))
         exit_code, root_cause = run_exit_code(results)
         from wwrun.recipe import resolved_options
 
@@ -487,6 +494,14 @@ class Runner:
             extra={"state": "running"} if partial else {"state": "ended", **self._run_extra()},
             options=resolved_options(self.config),
         )
+
+    def job_report(self, job: Job) -> dict:
+        """The report's memory fields of a job (`Memory.job_report`); its `queued_s`
+        also counts the time it waited queued after not fitting beside the others."""
+        report = self.memory.job_report(job.spec.name, started=job.result.started is not None)
+        if job.no_room_s:
+            report["queued_s"] = round(report.get("queued_s", 0.0) + job.no_room_s, 6)
+        return report
 
     def _refresh_report(self, now: float) -> None:
         """Rewrite <run>/report.json while the run goes on (about once a second): if the
@@ -540,3 +555,10 @@ class Runner:
             if started and job.context and job.context.thread_id:
                 job.interrupted = True
                 isolation.deliver_signal(job.context, signum)
+
+
+NO_ROOM_YET = "does not fit beside the running jobs yet: starts again once one of them ends"
+_ENGINE_WAITS = {
+    "queued": "waiting for memory to start beside the running jobs",
+    "waiting": "waiting for memory for its next NodeGroup",
+}

@@ -309,7 +309,7 @@ class Driver:
             return
         job.result.started = details.get("started") or job.result.started
         if not state.is_final:
-            self._set_state(job, state)
+            self._set_state(job, state, details.get("reason"))
             return
         report = details.get("report") or {}
         job.result.extra.update(report)
@@ -357,7 +357,8 @@ class Driver:
             job.retry_after_ends = self._ends
             self._queue.append(job)
             self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-            self._set_state(job, JobState.QUEUED)
+            self._set_state(job, JobState.QUEUED, f"to be retried (attempt {job.attempts + 1} of {job.retries + 1})"
+                                                  f"{', once memory frees up' if job.out_of_memory else ''}")
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
@@ -370,8 +371,9 @@ class Driver:
         return (job.attempts <= job.retries and self._interrupted_at is None and self._halted is None
                 and any(v.alive for v in self.views))
 
-    def _set_state(self, job: _DriverJob, state: JobState) -> None:
-        job.result.state = state
+    def _set_state(self, job: _DriverJob, state: JobState, why: str | None = None) -> None:
+        """`why`: what a queued or waiting job waits for."""
+        job.result.set_state(state, why)
         self._events.emit(job, state)
         self.display.state(job.result)
 
