@@ -195,7 +195,7 @@ class Runner:
             self._events.close()
         result = self._result()
         self._write_report(result)
-        self._write_outputs()
+        self._write_outputs(result)
         self.display.stop(result)
         if self.config.explain:
             engine = self.memory.engine
@@ -204,7 +204,7 @@ class Runner:
             Path(self.config.report).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         return result
 
-    def _write_outputs(self) -> None:
+    def _write_outputs(self, result: RunResult) -> None:
         engine = self.memory.engine
         if engine is None:
             for option in ("trace", "memory_plot"):
@@ -215,7 +215,12 @@ class Runner:
             engine.write_trace(self.config.trace)
         if self.config.memory_plot:
             try:
-                engine.write_memory_plot(self.config.memory_plot, run_id=self.config.run_id)
+                # Labelled with the report's peaks (the allocator's), not the samples' highest.
+                engine.timeline.write_memory_plot(
+                    self.config.memory_plot, engine.capacity, run_id=self.config.run_id, device=engine.device,
+                    peaks={job.name: job.extra.get("peak_memory_bytes") for job in result.jobs},
+                    peak_total=result.extra.get("peak_memory_bytes"),
+                )
             except (ImportError, RuntimeError) as err:
                 self.display.note(f"no memory plot: {err}")
 
