@@ -363,10 +363,10 @@ def test_a_job_that_closed_its_stderr_and_failed_still_ends(tmp_path):
 
 
 def test_the_launcher_never_waits_on_a_thread_that_has_ended(tmp_path, monkeypatch):
-    from wwrun import launcher
+    from wwrun.runner import Runner
 
     # A job thread that ends without a word (the worst case: no state, no notify).
-    monkeypatch.setattr(launcher._Runner, "_job_main", lambda self, job: None)
+    monkeypatch.setattr(Runner, "_job_main", lambda self, job: None)
     result = _launch_bounded(tmp_path, ending("silent"))
     assert result.jobs[0].state == JobState.FAILED
     assert "ended without reporting" in result.jobs[0].error
@@ -697,3 +697,33 @@ def test_a_job_with_no_room_beside_the_others_starts_again_when_one_ends(tmp_pat
     assert states[-3:] == ["queued", "running", "succeeded"]
     # It started again only after "early" had ended.
     assert result.jobs[1].started >= result.jobs[0].ended
+
+
+def test_a_job_waiting_for_room_is_queued_with_its_reason_not_failed(tmp_path):
+    """Not fitting beside the running jobs is a wait, not an error: no traceback in the
+    job's output, the display and the events say what it waits for, and its
+    `queued_s` counts the whole wait (issue 21)."""
+    import io
+    from datetime import datetime
+
+    from wwrun.display import PlainDisplay
+
+    marker = tmp_path / "tried"
+    jobs = [ending("early", delay=1.0),
+            JobSpec(name="late", script=str(SCRIPTS / "no_room_once.py"), args=[str(marker)])]
+    events = tmp_path / "events.jsonl"
+    out, err = io.StringIO(), io.StringIO()
+    result = launch(LaunchConfig(jobs=jobs, log_dir=str(tmp_path / "logs"), events=str(events)),
+                    display=PlainDisplay(out, err))
+    assert [j.state.value for j in result.jobs] == ["succeeded", "succeeded"], result.to_dict()
+    shown = out.getvalue() + err.getvalue()
+    assert "NoRoomYet" not in shown
+    assert "[wwrun] late: queued: does not fit beside the running jobs yet" in shown
+    late = [json.loads(line) for line in events.read_text().splitlines() if json.loads(line)["job"] == "late"]
+    queued = next(i for i, e in enumerate(late) if e["state"] == "queued" and i > 0 and late[i - 1]["state"] == "running")
+    assert late[queued]["reason"].startswith("does not fit beside the running jobs yet")
+    assert late[queued + 1]["state"] == "running" and "reason" not in late[queued + 1]
+    waited = (datetime.fromisoformat(late[queued + 1]["time"]) - datetime.fromisoformat(late[queued]["time"]))
+    assert waited.total_seconds() > 0.1  # it waited for "early" to end
+    assert result.jobs[1].extra["queued_s"] >= waited.total_seconds() - 0.01
+    assert "reason" not in result.to_dict()["jobs"][1]  # ended: it waits for nothing

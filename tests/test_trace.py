@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from wwrun.config import format_size
 from wwrun.memory.trace import Timeline, _unit
 
 MiB = 2**20
@@ -89,3 +90,54 @@ def test_memory_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="--memory-plot needs matplotlib"):
         _timeline().write_memory_plot(str(tmp_path / "memory.png"), 8 * MiB)
     assert not (tmp_path / "memory.png").exists()
+
+
+def _labels(path) -> dict:
+    """The labels a memory plot drew, from the PNG's "wwrun" text entry."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return json.loads(image.text["wwrun"])
+
+
+def test_memory_plot_labels_name_the_peak_they_show(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    shown = _timeline().write_memory_plot(str(path), 8 * MiB, peaks={"a": 5 * MiB, "b": None}, peak_total=6 * MiB)
+    assert shown == _labels(path)
+    assert shown["peaks"] == {"a": "peak allocated 5.0MiB", "b": "sampled peak 1.0MiB"}
+    assert shown["title"].endswith("limit 8.0MiB · peak allocated 6.0MiB")
+    without = _timeline().write_memory_plot(str(path), None)
+    assert without["peaks"] == {"a": "sampled peak 3.0MiB", "b": "sampled peak 1.0MiB"}
+    assert without["title"].endswith("sampled peak 4.0MiB")
+
+
+def test_the_report_the_plot_and_the_summary_show_one_peak(tmp_path):
+    """Each job's peak is the report's `peak_memory_bytes` (allocated bytes) in the
+    summary's "peak allocated" column and on the memory plot (issue 21)."""
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from wwrun import JobSpec, LaunchConfig, launch
+    from wwrun.display import summary_lines
+
+    script = str(Path(__file__).parent / "scripts" / "train_mlp.py")
+    jobs = [JobSpec(name="wide", script=script, args=["--width", "384", "--steps", "4"]),
+            JobSpec(name="narrow", script=script, args=["--width", "64", "--steps", "4"])]
+    plot = tmp_path / "memory.png"
+    result = launch(LaunchConfig(jobs=jobs, log_dir=str(tmp_path / "logs"), quiet=True, device="cpu",
+                                 memory_plot=str(plot)))
+    assert not result.is_failed(), result.to_dict()
+    report = json.loads((Path(result.log_dir) / "report.json").read_text())
+    peaks = {job["name"]: job["peak_memory_bytes"] for job in report["jobs"]}
+    assert peaks["wide"] > peaks["narrow"] > 0
+    labels = _labels(plot)
+    lines = summary_lines(result, width=200)
+    header = lines[1].split("  ")
+    column = [cell.strip() for cell in header if cell.strip()].index("peak allocated")
+    for name, peak in peaks.items():
+        assert labels["peaks"][name] == f"peak allocated {format_size(peak)}"
+        row = next(line for line in lines[2:] if line.startswith(name + " "))
+        assert row.split()[column] == format_size(peak)
+    assert labels["title"].endswith(f"peak allocated {format_size(report['run']['peak_memory_bytes'])}")
+    assert report["run"]["peak_reserved_bytes"] >= report["run"]["peak_memory_bytes"]

@@ -31,7 +31,7 @@ __all__ = [
 
 _LAZY = {
     "Engine": "memory.engine", "JobTooLarge": "memory.engine",
-    "JobResult": "launcher", "JobState": "launcher", "RunResult": "launcher", "launch": "launcher",
+    "JobResult": "result", "JobState": "result", "RunResult": "result", "launch": "launcher",
     "dump_recipe": "recipe", "load_recipe": "recipe",
 }
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from wwrun import __version__
 from wwrun.config import (
-    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, preflight, repeat_jobs, select_shard, shorten,
+    ConfigError, JobSpec, LaunchConfig, flag_of, name_from, options, repeat_jobs, select_shard, shorten,
 )
 
 _SEPARATOR = ":"
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.main(argv[1:])
     if argv[:1] == ["show"] and not os.path.isfile("show"):
         return _show(argv[1:])
-    from wwrun.launcher import EXIT_INTERRUPTED, launch
+    from wwrun.launcher import EXIT_INTERRUPTED, launch, preflight
 
     args = parse_args(argv)
     try:

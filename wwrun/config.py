@@ -447,8 +447,9 @@ def repeat_jobs(jobs: list[JobSpec], times: int) -> list[JobSpec]:
 
 def preflight(config: LaunchConfig) -> None:
     """The checks that need this machine, not just the config: run before anything
-    starts (the CLI calls it before `launch`, and on `--dry-run`), so that a run is
-    never refused after its jobs ran. Raises ConfigError.
+    starts, so that a run is never refused after its jobs ran. Raises ConfigError.
+    `wwrun.launcher.preflight` (what `launch` and the CLI run) adds the checks of the
+    scale-out options.
     """
     _check_observation(config)
     _check_log_dir(config.log_dir)
@@ -457,13 +458,6 @@ def preflight(config: LaunchConfig) -> None:
         if path is not None and not (name == "events" and path == "-"):
             _check_output_file(name, path)
     _check_descriptors(config)
-    if config.engines is not None or config.gpus is not None or config.ray is not None \
-            or isinstance(config.memory_limit, list):
-        from wwrun.scale import preflight as scale_preflight
-
-        scale_preflight(config)
-
-
 
 
 def _check_descriptors(config: LaunchConfig) -> None:

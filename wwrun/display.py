@@ -1,7 +1,8 @@
 """What the user sees while a run goes on, and the summary after.
 
-- On a terminal: a live table (rich), one row per job: state, elapsed time, memory
-  when known, the job's last output line. `--tee` also prints every line above it.
+- On a terminal: a live table (rich), one row per job: state, elapsed time, its
+  allocated memory now when known, the job's last output line (for a queued job,
+  what it waits for). `--tee` also prints every line above it.
 - Not on a terminal (CI logs, pipes): plain `[name] line` lines, nothing redrawn,
   and a plain-text summary; rich is not even imported (it would cost every run's
   start-up about 50 ms: benchmarks/launcher_overhead.py).
@@ -138,6 +139,8 @@ class PlainDisplay(QuietDisplay):
             return
         self._shown[result.name] = result.state.value
         detail = f" (exit {result.exit_code}, {result.wall_s:.1f}s)" if result.state.is_final and result.wall_s else ""
+        if result.reason:
+            detail = f": {result.reason}"
         with self._lock:
             self.err.write(f"[wwrun] {result.name}: {result.state.value}{detail}")
 
@@ -190,7 +193,7 @@ class LiveDisplay(QuietDisplay):
         table.add_column("job", no_wrap=True, style="bold")
         table.add_column("state", no_wrap=True)
         table.add_column("elapsed", justify="right", no_wrap=True)
-        table.add_column("memory", justify="right", no_wrap=True)
+        table.add_column("allocated", justify="right", no_wrap=True)
         table.add_column("last line", no_wrap=True, overflow="ellipsis", ratio=1)
         for job in self.runner.jobs:
             result = job.result
@@ -199,12 +202,14 @@ class LiveDisplay(QuietDisplay):
             # on what it waits for until it has a line of its own.
             started = state not in _NOT_STARTED
             last_line = job.output.last_line if job.output else ""
+            if state == "queued" or not last_line:  # a queued job's last line is an earlier attempt's
+                last_line = result.reason or _WAITING_FOR.get(state, last_line)
             table.add_row(
                 result.name,
                 Text(state, style=_STYLE[state]),
                 _elapsed(result.wall_s),
                 format_size(self.runner.memory_of(result.name)) if started else "-",
-                Text(last_line or _WAITING_FOR.get(state, ""), style="dim"),
+                Text(last_line, style="dim"),
             )
         return table
 
@@ -318,7 +323,9 @@ def summary_footer(result) -> str:
     return line
 
 
-_EXTRA_COLUMNS = {"engine": "engine", "peak_memory_bytes": "peak memory", "wait_s": "waited (s)"}
+# The report's fields, named as the README names them: peak_memory_bytes is allocated
+# bytes (what tensors hold, as the allocator counts them), never reserved.
+_EXTRA_COLUMNS = {"engine": "engine", "peak_memory_bytes": "peak allocated", "wait_s": "waited (s)"}
 
 
 def _cut(text: str, width: int) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import threading
 
+from wwrun.config import format_size
+
 MAX_SAMPLES = 500_000
 """Memory samples kept (about 40 MB); later samples are dropped, the peaks are not."""
 
@@ -74,11 +76,19 @@ class Timeline:
         return result
 
     def write_memory_plot(self, path: str, limit: int | None, *, run_id: str | None = None,
-                          device: str | None = None) -> None:
-        """A PNG readable at a glance: on top every job's memory stacked under the
-        limit (the total is what the limit bounds); below, one row per job on its
-        own scale, so that a small job stays visible beside a large one, with its
-        waits for memory shaded."""
+                          device: str | None = None, peaks: dict[str, int | None] | None = None,
+                          peak_total: int | None = None) -> dict:
+        """A PNG readable at a glance: on top every job's allocated memory stacked
+        under the limit (the total is what the limit bounds); below, one row per job
+        on its own scale, so that a small job stays visible beside a large one, with
+        its waits for memory shaded.
+
+        Memory here is allocated bytes (what tensors hold), never reserved. `peaks`
+        (per job) and `peak_total` (the run) are the report's `peak_memory_bytes`,
+        the allocator's exact peaks, and the labels show them; without them a label
+        shows the highest sample ("sampled peak"), which can miss a peak between two
+        samples. Returns the labels drawn (title, each job's peak), which the PNG
+        also carries as its "wwrun" text entry."""
         plt = _pyplot()
         from matplotlib.patches import Patch
         from matplotlib.ticker import MaxNLocator
@@ -86,8 +96,8 @@ class Timeline:
 
         jobs = list(self.tracks) or list(dict.fromkeys(job for _, job, _ in self.samples))
         jobs += [job for job in dict.fromkeys(job for _, job, _ in self.samples) if job not in jobs]
-        peak_total = max((total for _, _, total in self.totals()), default=0)
-        scale, unit = _unit(max(peak_total, limit or 0))
+        peak_total_sampled = max((total for _, _, total in self.totals()), default=0)
+        scale, unit = _unit(max(peak_total_sampled, limit or 0))
         end = max([t for t, _, _ in self.samples] + [self._end_of(e) for e in self.events] + [1e-3])
         colors = plt.get_cmap("tab10" if len(jobs) <= 10 else "tab20").colors
         color = {job: colors[i % len(colors)] for i, job in enumerate(jobs)}
@@ -97,11 +107,13 @@ class Timeline:
             figsize=(11, 3.6 + 0.75 * len(jobs)), gridspec_kw={"height_ratios": [4] + [1] * len(jobs)},
         )
         top, rows = axes[0][0], [row[0] for row in axes[1:]]
+        peaks = peaks or {}
         title = " · ".join(filter(None, [
             f"wwrun run {run_id}" if run_id else "wwrun memory", device,
-            f"limit {_size(limit, scale, unit)}" if limit is not None else "no memory limit",
-            f"peak total {_size(peak_total, scale, unit)}",
+            f"limit {format_size(limit)}" if limit is not None else "no memory limit",
+            _peak_label(peak_total if peak_total is not None else peak_total_sampled, peak_total is None),
         ]))
+        shown = {"title": title, "peaks": {}}
         fig.suptitle(title, fontsize=12)
 
         # All jobs stacked: the height is the total the limit bounds.
@@ -120,10 +132,10 @@ class Timeline:
         if limit is not None:
             top.axhline(limit / scale, color="red", linestyle="--", linewidth=1.5)
             # Labelled on the line itself: no legend can hide it.
-            top.text(0.995, limit / scale, f"limit {_size(limit, scale, unit)}", color="red", ha="right",
+            top.text(0.995, limit / scale, f"limit {format_size(limit)}", color="red", ha="right",
                      va="bottom", transform=blended_transform_factory(top.transAxes, top.transData))
-        top.set_ylim(0, max(peak_total, limit or 0, 1) / scale * 1.12)
-        top.set_ylabel(f"all jobs, stacked ({unit})")
+        top.set_ylim(0, max(peak_total_sampled, limit or 0, 1) / scale * 1.12)
+        top.set_ylabel(f"allocated, all jobs stacked ({unit})")
         top.grid(axis="y", alpha=0.3)
         waits = self._waits()
         if any(waits.values()):
@@ -143,19 +155,25 @@ class Timeline:
                 ax.step(xs, ys, where="post", color=color[job], linewidth=0.8)
             for start, stop in waits.get(job, []):
                 ax.axvspan(start, stop, color="0.85", zorder=0, linewidth=0)
+            exact = peaks.get(job)
+            if exact is not None:  # the allocator's peak, which samples can miss: a dotted line
+                ax.axhline(exact / scale, color=color[job], linestyle=":", linewidth=1)
+                peak = max(peak, exact / scale)
             ax.set_ylim(0, peak * 1.3 if peak > 0 else 1)
             ax.yaxis.set_major_locator(MaxNLocator(2))
             ax.set_ylabel(job, rotation=0, ha="right", va="center", color=color[job], fontweight="bold")
-            ax.text(1.01, 0.5, f"peak {_size(peak * scale, scale, unit)}", transform=ax.transAxes,
-                    ha="left", va="center", fontsize=9)
+            sampled = max((nbytes for _, name, nbytes in self.samples if name == job), default=0)
+            shown["peaks"][job] = _peak_label(sampled if exact is None else exact, exact is None)
+            ax.text(1.01, 0.5, shown["peaks"][job], transform=ax.transAxes, ha="left", va="center", fontsize=9)
             ax.grid(axis="y", alpha=0.3)
         bottom = rows[-1] if rows else top
         bottom.set_xlim(0, end)
         bottom.set_xlabel("time since the run started (s)")
         if rows:
-            rows[0].set_title(f"each job on its own scale ({unit})", loc="left", fontsize=9)
-        fig.savefig(path, dpi=110)
+            rows[0].set_title(f"each job's allocated memory on its own scale ({unit})", loc="left", fontsize=9)
+        fig.savefig(path, dpi=110, metadata={"wwrun": json.dumps(shown)})
         plt.close(fig)
+        return shown
 
     def _waits(self) -> dict[str, list[tuple[float, float]]]:
         """Each job's waits for memory (admission and NodeGroups), in seconds."""
@@ -193,5 +211,6 @@ def _unit(nbytes: float) -> tuple[int, str]:
     return 2**10, "KiB"
 
 
-def _size(nbytes: float, scale: int, unit: str) -> str:
-    return f"{nbytes / scale:.3g} {unit}"
+def _peak_label(nbytes: int, sampled: bool) -> str:
+    """'peak allocated 24.8MiB', as the summary's column and the report name it."""
+    return f"{'sampled peak' if sampled else 'peak allocated'} {format_size(nbytes)}"

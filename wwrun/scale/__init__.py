@@ -62,6 +62,12 @@ def plan(config: LaunchConfig) -> Plan:
     return Plan(device=device, count=count, limits=tuple(limits), gpus=None if gpus is None else tuple(gpus))
 
 
+def asked_for(config: LaunchConfig) -> bool:
+    """Whether the config names a scale-out option (engines, GPUs, Ray, a memory limit per engine)."""
+    return (config.engines is not None or config.gpus is not None or config.ray is not None
+            or isinstance(config.memory_limit, list))
+
+
 def needs_driver(config: LaunchConfig) -> bool:
     """Whether the run goes through the driver: several engines, a chosen GPU, or Ray."""
     if config.ray is not None:
@@ -84,16 +90,16 @@ def preflight(config: LaunchConfig) -> None:
                 raise ConfigError(name, "observes one engine: not with several engines (run one, or drop it)")
 
 
-def launch(config: LaunchConfig, *, display=None):
-    """Run the config's jobs on several engines; returns a RunResult as `wwrun.launch`."""
-    from wwrun.display import make_display
+def launch(config: LaunchConfig, *, display):
+    """Run the config's jobs on several engines; returns a RunResult as `wwrun.launch`,
+    which calls it when `needs_driver`."""
     from wwrun.scale.driver import Driver
     from wwrun.scale.engines import ProcessFleet, RayFleet
 
     preflight(config)  # also when only the GPUs it sees made the run several engines
     p = plan(config)
     fleet = RayFleet(config, p) if config.ray is not None else ProcessFleet(config, p)
-    return Driver(config, fleet, display or make_display(config)).run()
+    return Driver(config, fleet, display).run()
 
 
 def _visible_gpus() -> int:

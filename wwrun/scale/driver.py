@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 from wwrun.config import JobSpec, LaunchConfig
-from wwrun.launcher import (
-    EXIT_INTERRUPTED, REPORT_EVERY_S, JobResult, JobState, RunResult, _EventLog, _point_latest, _seconds,
-    _write_error_json, write_run_report,
+from wwrun.host import handle_interrupts
+from wwrun.result import (
+    EXIT_INTERRUPTED, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, point_latest, run_exit_code,
+    seconds, write_error_json, write_run_report,
 )
 from wwrun.scale.engines import START_TIMEOUT_S, death_exit_code
 from wwrun.scale.placement import EngineView, Estimates, choose
@@ -96,7 +97,7 @@ class Driver:
         self._queue: list[_DriverJob] = []
         self.views: list[EngineView] = []
         self.estimates = Estimates()
-        self._events = _EventLog(config.events, config.run_id)
+        self._events = EventLog(config.events, config.run_id)
         self._interrupted_at: float | None = None
         self._interrupt_asked = False
         self._halted: str | None = None
@@ -111,7 +112,7 @@ class Driver:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "recipe.yaml").write_text(dump_recipe(self.config))
-        _point_latest(self.log_root, self.run_dir)
+        point_latest(self.log_root, self.run_dir)
         self.display.note(f"run {self.config.run_id}: logs in {self.run_dir}", important=False)
         restore_signals = self._install_signal_handlers()
         self.display.start(self)
@@ -174,7 +175,7 @@ class Driver:
             now = time.monotonic()
             if run_deadline is not None and now > run_deadline and self._halted is None:
                 # The engines run under the same timeout and stop their own jobs.
-                self._halted = f"the run timed out after {_seconds(self.config.timeout)}"
+                self._halted = f"the run timed out after {seconds(self.config.timeout)}"
             if not any(v.alive for v in self.views) and self._queue and self._halted is None:
                 self._halted = "not started: every engine died"
             if self._interrupted_at is not None or self._halted is not None:
@@ -308,7 +309,7 @@ class Driver:
             return
         job.result.started = details.get("started") or job.result.started
         if not state.is_final:
-            self._set_state(job, state)
+            self._set_state(job, state, details.get("reason"))
             return
         report = details.get("report") or {}
         job.result.extra.update(report)
@@ -335,7 +336,7 @@ class Driver:
         for job in lost:
             job.result.ended = time.time()
             code = death_exit_code(engine.exit_code)
-            _write_error_json(job, code, why)  # its engine cannot: it is gone
+            write_error_json(job, code, why)  # its engine cannot: it is gone
             self._end(job, code, why, JobState.FAILED)
 
     def _end(self, job: _DriverJob, code: int | None, error: str | None, state: JobState) -> None:
@@ -356,7 +357,8 @@ class Driver:
             job.retry_after_ends = self._ends
             self._queue.append(job)
             self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-            self._set_state(job, JobState.QUEUED)
+            self._set_state(job, JobState.QUEUED, f"to be retried (attempt {job.attempts + 1} of {job.retries + 1})"
+                                                  f"{', once memory frees up' if job.out_of_memory else ''}")
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
@@ -369,8 +371,9 @@ class Driver:
         return (job.attempts <= job.retries and self._interrupted_at is None and self._halted is None
                 and any(v.alive for v in self.views))
 
-    def _set_state(self, job: _DriverJob, state: JobState) -> None:
-        job.result.state = state
+    def _set_state(self, job: _DriverJob, state: JobState, why: str | None = None) -> None:
+        """`why`: what a queued or waiting job waits for."""
+        job.result.set_state(state, why)
         self._events.emit(job, state)
         self.display.state(job.result)
 
@@ -383,8 +386,6 @@ class Driver:
     # -- signals ----------------------------------------------------------------------
 
     def _install_signal_handlers(self):
-        from wwrun.launcher import handle_interrupts
-
         return handle_interrupts(self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -414,10 +415,7 @@ class Driver:
         from wwrun.recipe import resolved_options
 
         results = [job.result for job in self.jobs]
-        failures = sorted((r for r in results if r.exit_code not in (0, None)), key=lambda r: r.ended or float("inf"))
-        cancelled = any(r.state == JobState.CANCELLED for r in results)
-        root = failures[0] if failures else None
-        exit_code = root.exit_code if root else (EXIT_INTERRUPTED if cancelled else 0)
+        exit_code, root_cause = run_exit_code(results)
         engines = [
             {"engine": e.index, "label": e.label, "host": e.info.get("host"), "pid": e.info.get("pid"),
              "device": e.info.get("device"), "memory_limit_bytes": e.info.get("capacity"),
@@ -428,7 +426,7 @@ class Driver:
         return RunResult(
             run_id=self.config.run_id, device=self.device, policy=self.policy, jobs=results,
             started=self.started, ended=time.time(), log_dir=str(self.run_dir),
-            exit_code=exit_code, root_cause=root.name if root else None, extra=extra,
+            exit_code=exit_code, root_cause=root_cause, extra=extra,
             options=resolved_options(self.config),
         )
 

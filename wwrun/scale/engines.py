@@ -1,11 +1,12 @@
 """Engines behind one interface: a process of this machine (multiprocessing, spawn)
-or a Ray actor, each running one fed `_Runner` (a whole wwrun engine on its device).
+or a Ray actor, each running one fed `wwrun.runner.Runner` (a whole wwrun engine on its device).
 
 Messages from an engine to the driver (tuples, first the kind):
 
     ("ready", info)                      started: pid, host, device, capacity (bytes or None)
     ("state", name, state, details)      a job's state changed; details: exit_code, error,
-                                         started, ended, and at its end out_of_memory
+                                         started, ended, reason (what a queued or waiting
+                                         job waits for), and at its end out_of_memory
                                          and the engine's job report (peak_memory_bytes, ...)
     ("line", name, stream, text)         a line the job printed
     ("note", text, important)            a note of the engine's launcher
@@ -48,19 +49,19 @@ def engine_config(config, limit, index: int):
 
 
 class EngineCore:
-    """One engine, in the process that hosts it: a fed `_Runner` on its own thread,
+    """One engine, in the process that hosts it: a fed `Runner` on its own thread,
     its states, lines and memory sent through `send`."""
 
     def __init__(self, config, index: int, send):
         from wwrun import isolation, libstate, rng
-        from wwrun.launcher import _Runner
+        from wwrun.runner import Runner
 
         self.index = index
         self.send = send
         isolation.install()
         libstate.install()
         rng.install()
-        self.runner = _Runner(config, _Forward(self), fed=True)
+        self.runner = Runner(config, _Forward(self), fed=True)
         self._thread = threading.Thread(target=self._run, name=f"wwrun-engine-{index}", daemon=True)
         self._ended = threading.Event()
 
@@ -129,11 +130,11 @@ class _Forward:
 
     def state(self, result) -> None:
         details = {"exit_code": result.exit_code, "error": result.error, "started": result.started,
-                   "ended": result.ended}
+                   "ended": result.ended, "reason": result.reason}
         if result.state.is_final:
             job = next((j for j in self.runner.jobs if j.result is result), None)
             details["out_of_memory"] = bool(job and job.out_of_memory)
-            report = self.runner.memory.job_report(result.name, started=result.started is not None)
+            report = self.runner.job_report(job) if job is not None else {}
             if report:
                 details["report"] = report
         self.core.send(("state", result.name, result.state.value, details))

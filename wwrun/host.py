@@ -1,0 +1,196 @@
+"""What a run changes in its host process while it goes on, each change made by one
+function that returns its undo: signal handlers, the child subreaper, the cyclic
+collector's frozen objects, torch's intra-op threads, the crash log; and the end of
+the processes the jobs started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from wwrun import isolation
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def handle_interrupts(handler) -> Callable[[], None]:
+    """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
+    only, as Python allows); returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore():
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
+def thread_hex(ident: int | None) -> str:
+    """A thread id as faulthandler prints it ('Thread 0x00007f...')."""
+    return f"0x{ident or 0:016x}"
+
+
+def become_subreaper() -> Callable[[], None]:
+    """Make orphaned descendants (a job's double-forked daemon, `(setsid cmd &)`)
+    children of this process rather than of init, as systemd and tini do, so that
+    they are found and ended with the run. Linux only; returns the undo."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        before = ctypes.c_int(0)
+        libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            return lambda: None
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: libc.prctl(_PR_SET_CHILD_SUBREAPER, before.value, 0, 0, 0)
+
+
+def child_pids() -> set[int]:
+    """The pids of this process's descendants: from /proc on Linux, as importing
+    psutil would cost every run ~25 ms (benchmarks/launcher_overhead.py)."""
+    try:
+        return _proc_descendants(os.getpid())
+    except OSError:  # not Linux, or a kernel without /proc/<pid>/task/<tid>/children
+        pass
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _proc_descendants(root: int) -> set[int]:
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children = {int(child) for child in f.read().split()} - found
+                found |= children
+                todo += children
+        except OSError:
+            if pid == root:
+                raise
+            # a descendant that ended meanwhile
+    return found
+
+
+def end_children(before: set[int]) -> None:
+    """End the processes the jobs started (DataLoader workers, spawned children):
+    this process's descendants but those in `before` (from `child_pids` at the start)."""
+    if not child_pids() - before:
+        return  # none (and psutil stays unloaded)
+    import psutil
+
+    try:
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=3)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def freeze_launcher_objects() -> Callable[[], None]:
+    """Keep what exists before the jobs start (torch, its modules, ours: ~300,000
+    objects) out of the cyclic collector until the run ends (`gc.freeze`).
+
+    An ended job's namespaces are collected at once (`isolation.release`), and a full
+    collection holds the GIL for as long as it takes to walk every object: 150 ms with
+    torch imported, a stall of every other job at each job's end. Frozen, it walks only
+    what the jobs made. A script's own `gc.collect()` gains the same."""
+    if gc.get_freeze_count():
+        return lambda: None  # the embedding program froze its own; leave it as it is
+    gc.freeze()
+    return gc.unfreeze
+
+
+def share_cpu_threads(concurrency: int, note: Callable[..., None]) -> Callable[[], None]:
+    """Divide torch's intra-op threads among the `concurrency` jobs that run at once.
+
+    All jobs share the process's one intra-op pool; with each job's ops asking
+    for every core, OpenMP's spinning threads oversubscribe the CPU (measured on
+    2 busy cores: 50 steps of the transformer example, 3.0s with one thread
+    against 11.2s with two). torchrun
+    sets OMP_NUM_THREADS=1 per worker for the same reason; as there, an explicit
+    OMP_NUM_THREADS from the user wins.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" in isolation.process_environ() or concurrency == 1:
+        return lambda: None
+    before = torch.get_num_threads()
+    share = max(1, (os.cpu_count() or 1) // concurrency)
+    if share == before:
+        return lambda: None
+    torch.set_num_threads(share)
+    note(
+        f"{concurrency} jobs share {os.cpu_count()} CPUs: torch uses {share} thread(s) per op "
+        "(set OMP_NUM_THREADS to choose)",
+        important=False,
+    )
+    return lambda: torch.set_num_threads(before)
+
+
+class CrashLog:
+    """A segfault or abort in one job ends the process (threads cannot prevent it):
+    faulthandler then writes every thread's stack into <run>/crash.log, whose first
+    lines say which thread runs which job (`note_thread`); report.json holds every
+    job's state and last lines. Removed by `close` after a clean end."""
+
+    def __init__(self, run_dir: Path):
+        import faulthandler
+
+        self.path = run_dir / "crash.log"
+        self._was_enabled = faulthandler.is_enabled()
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+            faulthandler.enable(self._file, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            self._file = None
+
+    def note_thread(self, thread: threading.Thread, job: str, attempt: int) -> None:
+        if self._file is None:
+            return
+        self._file.write(f"wwrun: thread {thread_hex(thread.ident)} runs job {job} (attempt {attempt})\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """No crash to tell of: faulthandler back as it was, the file removed."""
+        import faulthandler
+
+        if self._file is None:
+            return
+        faulthandler.disable()
+        if self._was_enabled:
+            try:
+                faulthandler.enable(sys.__stderr__, all_threads=True)
+            except (AttributeError, OSError, ValueError, RuntimeError):
+                pass
+        self._file.close()
+        self._file = None
+        self.path.unlink(missing_ok=True)
