@@ -504,7 +504,7 @@ def test_a_retry_is_named_as_its_folder(tmp_path):
     records = [json.loads(line) for line in events.read_text().splitlines()]
     assert [r["attempt"] for r in records if r["state"] == "running"] == [0, 1, 2]
     assert [r["reason"] for r in records if r["state"] == "queued"] == [
-        "to be retried: retry 1 of 2, in attempt_1/", "to be retried: retry 2 of 2, in attempt_2/"]
+        "retry 1 of 2, in attempt_1/", "retry 2 of 2, in attempt_2/"]
     folder = Path(result.log_dir) / "flaky"
     assert all((folder / f"attempt_{n}" / "stdout.log").read_text().startswith(f"attempt {n + 1}\n") for n in range(3))
 

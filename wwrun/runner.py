@@ -442,7 +442,7 @@ class Runner:
         if state == JobState.FAILED and self._may_retry(job):
             retry = retry_note(job.attempts, job.retries, job.out_of_memory)
             self.display.note(f"{job.spec.name} failed ({error or f'exit {code}'}): {retry}")
-            self._requeue(job, f"to be retried: {retry}")
+            self._requeue(job, retry)
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:

@@ -357,7 +357,7 @@ class Driver:
             job.retry_after_ends = self._ends
             self._queue.append(job)
             self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-            self._set_state(job, JobState.QUEUED, f"to be retried: {retry}")
+            self._set_state(job, JobState.QUEUED, retry)
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:
