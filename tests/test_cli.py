@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -295,3 +296,11 @@ def test_many_jobs_run_a_bounded_number_at_once():
     assert 1 <= cfg.concurrency <= DEFAULT_MAX_CONCURRENT
     assert config("-n", "5000", "--max-concurrent", "3000", NO_GUARD).concurrency == 3000
     assert config("-n", "4", "--policy", "sequential", NO_GUARD).concurrency == 1
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^commands:\n  wwrun doctor \[--full\] +\S.*\n  wwrun show \[RUN\] \[--log-dir DIR\] +\S", out, re.M)

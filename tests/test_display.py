@@ -133,6 +133,15 @@ def test_live_table_shows_queued_and_waiting_jobs_as_such():
     assert "0B" not in text
 
 
+def test_live_table_shows_what_a_requeued_job_waits_for_not_its_earlier_attempt_s_line():
+    requeued = _job("late", JobState.RUNNING)
+    requeued.set_state(JobState.QUEUED, "does not fit beside the running jobs yet: starts again once one of them ends")
+    text = _live_table([requeued], {}, {"late": "starting"})
+    assert "does not fit beside the running jobs yet" in text and "starting" not in text
+    requeued.set_state(JobState.RUNNING, "ignored: a running job waits for nothing")
+    assert requeued.reason is None and "starting" in _live_table([requeued], {}, {"late": "starting"})
+
+
 def test_plain_lines_survive_a_stream_that_cannot_encode_them():
     raw = io.BytesIO()
     stream = io.TextIOWrapper(raw, encoding="ascii")

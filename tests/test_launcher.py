@@ -485,6 +485,30 @@ def test_a_failed_job_is_retried_with_each_attempt_logged_apart(tmp_path):
     assert report["jobs"][0]["attempts"] == 3
 
 
+def test_a_retry_is_named_as_its_folder(tmp_path):
+    """The message, the queued reason, the events and the folder count attempts one
+    way: retry N runs in attempt_N/ (issue 21: "attempt 2 of 2" in attempt_1/)."""
+    import io
+
+    from wwrun.display import PlainDisplay
+
+    events = tmp_path / "events.jsonl"
+    out, err = io.StringIO(), io.StringIO()
+    config = LaunchConfig(jobs=[flaky("flaky", tmp_path / "count", 3)], retries=2, events=str(events),
+                          log_dir=str(tmp_path / "logs"))
+    result = launch(config, display=PlainDisplay(out, err))
+    assert result.jobs[0].state == JobState.SUCCEEDED
+    shown = err.getvalue()
+    assert "[wwrun] flaky failed (RuntimeError: flaky failure 1): retry 1 of 2, in attempt_1/\n" in shown
+    assert "[wwrun] flaky failed (RuntimeError: flaky failure 2): retry 2 of 2, in attempt_2/\n" in shown
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [r["attempt"] for r in records if r["state"] == "running"] == [0, 1, 2]
+    assert [r["reason"] for r in records if r["state"] == "queued"] == [
+        "retry 1 of 2, in attempt_1/", "retry 2 of 2, in attempt_2/"]
+    folder = Path(result.log_dir) / "flaky"
+    assert all((folder / f"attempt_{n}" / "stdout.log").read_text().startswith(f"attempt {n + 1}\n") for n in range(3))
+
+
 def test_a_job_s_own_retries_win_and_run_out(tmp_path):
     result = run(tmp_path, flaky("flaky", tmp_path / "count", 5, retries=1), retries=3)
     (job,) = result.jobs

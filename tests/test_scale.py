@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -513,3 +514,38 @@ def test_ray_ctrl_c_stops_every_engine(tmp_path, local_ray):
     assert [j.state for j in result.jobs] == [JobState.INTERRUPTED, JobState.INTERRUPTED]
     assert {j.extra["engine"] for j in result.jobs} == {0, 1} and result.exit_code == 130
     assert all("got KeyboardInterrupt" in log.read_text() for log in logs)
+
+
+def test_engines_of_one_machine_share_its_cpus_said_once(tmp_path, monkeypatch):
+    """Two engines of one job each: the two jobs share this machine's CPUs, so each
+    engine's torch gets half, and the driver says so once (issue 21: each engine said
+    it of its own jobs alone)."""
+    import io
+
+    from wwrun.display import PlainDisplay
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user's choice would win
+    script = str(SCRIPTS / "torch_threads.py")
+    jobs = [JobSpec(name=name, script=script) for name in ("a", "b")]
+    out, err = io.StringIO(), io.StringIO()
+    result = launch(LaunchConfig(jobs=jobs, log_dir=str(tmp_path / "logs"), device="cpu", engines=2,
+                                 max_concurrent=1), display=PlainDisplay(out, err))
+    assert result.exit_code == 0 and {j.extra["engine"] for j in result.jobs} == {0, 1}
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    for name in ("a", "b"):
+        assert (Path(result.log_dir) / name / "stdout.log").read_text() == f"torch threads {threads}\n"
+    said = [line for line in err.getvalue().splitlines() if "CPUs" in line]
+    assert said == [f"[wwrun] 2 jobs share {os.cpu_count()} CPUs: torch uses {threads} thread(s) per op "
+                    "(set OMP_NUM_THREADS to choose)"]
+
+
+def test_ray_says_nothing_of_its_own_but_errors(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'wwrun[ray]')")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--ray", "--device", "cpu", "--engines", "1", "--log-dir",
+         str(tmp_path / "logs"), ENDING, "ok"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    # Ray's log lines read "2026-01-01 00:00:00,000\tWARNING file.py:85 -- Token authentication ..."
+    assert not re.search(r"^\d{4}-\d\d-\d\d .*\b(INFO|WARNING)\b \S+\.py:\d+ --", done.stderr, re.M), done.stderr

@@ -77,6 +77,11 @@ def is_recipe(path: str) -> bool:
     return path.lower().endswith(RECIPE_SUFFIXES)
 
 
+COMMANDS = """commands:
+  wwrun doctor [--full]             what wwrun will use here, and whether it works
+  wwrun show [RUN] [--log-dir DIR]  a past run's summary (default: the latest run)"""
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     """wwrun's parser: LaunchConfig's options (from its field metadata), then the
     command line's own (recipe, module, repeat, dry run)."""
@@ -84,6 +89,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         prog="wwrun",
         description="Train several unmodified PyTorch scripts at once, as threads of one process.",
         usage="wwrun [options] (script.py | -m module) [args...] [: ...] | wwrun recipe.yaml [options]",
+        epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's columns as written
     )
     add = parser.add_argument
     for f in options():

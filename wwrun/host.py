@@ -129,30 +129,42 @@ def freeze_launcher_objects() -> Callable[[], None]:
     return gc.unfreeze
 
 
-def share_cpu_threads(concurrency: int, note: Callable[..., None]) -> Callable[[], None]:
-    """Divide torch's intra-op threads among the `concurrency` jobs that run at once.
+def cpu_threads_per_job(concurrency: int) -> int | None:
+    """torch's intra-op threads for each of `concurrency` jobs that run at once on
+    this machine: its CPUs divided among them. None: leave torch as it is (one job,
+    or an explicit OMP_NUM_THREADS from the user, which wins as under torchrun).
 
-    All jobs share the process's one intra-op pool; with each job's ops asking
-    for every core, OpenMP's spinning threads oversubscribe the CPU (measured on
-    2 busy cores: 50 steps of the transformer example, 3.0s with one thread
-    against 11.2s with two). torchrun
-    sets OMP_NUM_THREADS=1 per worker for the same reason; as there, an explicit
-    OMP_NUM_THREADS from the user wins.
+    All jobs share a process's one intra-op pool (and the engines of a scaled-out
+    run share the machine); with each job's ops asking for every core, OpenMP's
+    spinning threads oversubscribe the CPU (measured on 2 busy cores: 50 steps of
+    the transformer example, 3.0s with one thread against 11.2s with two). torchrun
+    sets OMP_NUM_THREADS=1 per worker for the same reason.
     """
+    if "OMP_NUM_THREADS" in isolation.process_environ() or concurrency <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // concurrency)
+
+
+def cpu_share_note(concurrency: int, threads: int) -> str:
+    return (f"{concurrency} jobs share {os.cpu_count()} CPUs: torch uses {threads} thread(s) per op "
+            "(set OMP_NUM_THREADS to choose)")
+
+
+def share_cpu_threads(concurrency: int, note: Callable[..., None], threads: int | None = None) -> Callable[[], None]:
+    """Set torch's intra-op threads for the run: `threads` when the caller divided the
+    CPUs (a scale-out driver, among every engine's jobs, and said so), else
+    `cpu_threads_per_job(concurrency)`, said through `note` when it changes them."""
     import torch
 
-    if "OMP_NUM_THREADS" in isolation.process_environ() or concurrency == 1:
-        return lambda: None
+    given = threads is not None
+    if not given:
+        threads = cpu_threads_per_job(concurrency)
     before = torch.get_num_threads()
-    share = max(1, (os.cpu_count() or 1) // concurrency)
-    if share == before:
+    if threads is None or threads == before:
         return lambda: None
-    torch.set_num_threads(share)
-    note(
-        f"{concurrency} jobs share {os.cpu_count()} CPUs: torch uses {share} thread(s) per op "
-        "(set OMP_NUM_THREADS to choose)",
-        important=False,
-    )
+    torch.set_num_threads(threads)
+    if not given:
+        note(cpu_share_note(concurrency, threads), important=False)
     return lambda: torch.set_num_threads(before)
 
 

@@ -163,6 +163,18 @@ def run_exit_code(results: list[JobResult]) -> tuple[int, str | None]:
     return (EXIT_INTERRUPTED if cancelled else 0), None
 
 
+def attempt_folder(folder: Path, attempt: int, retries: int) -> Path:
+    """Where attempt `attempt` (from 0) of a job logs: `<job>/attempt_N/` when the job
+    may be retried (as torchrun's attempts), else `<job>/`."""
+    return folder / f"attempt_{attempt}" if retries else folder
+
+
+def retry_note(attempts: int, retries: int, out_of_memory: bool) -> str:
+    """What a failed job's next attempt is, named as its folder: 'retry 1 of 2, in attempt_1/'."""
+    after = ", once memory frees up" if out_of_memory else ""
+    return f"retry {attempts} of {retries}, in attempt_{attempts}/{after}"
+
+
 def write_run_report(run_dir: Path, data: dict, note: Callable[[str], None]) -> None:
     """<run>/report.json, replaced whole (a crash mid-write leaves the previous one);
     a failure to write is said, never raised: the run goes on."""
@@ -229,7 +241,7 @@ class EventLog:
             "index": job.index,
             "state": state.value,
             "exit_code": job.result.exit_code,
-            "attempt": job.attempts,
+            "attempt": max(job.attempts - 1, 0),  # N of its attempt_N/ folder
         }
         if job.result.reason:
             record["reason"] = job.result.reason

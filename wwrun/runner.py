@@ -44,8 +44,8 @@ from wwrun import host, isolation, jobthread
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
 from wwrun.output import JobOutput, Pump
 from wwrun.result import (
-    EXIT_INTERRUPTED, EXIT_TIMEOUT, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, point_latest,
-    run_exit_code, seconds, write_error_json, write_run_report,
+    EXIT_INTERRUPTED, EXIT_TIMEOUT, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder,
+    point_latest, retry_note, run_exit_code, seconds, write_error_json, write_run_report,
 )
 
 
@@ -100,8 +100,7 @@ class Job:
         self.deadline: float | None = None
 
     def attempt_folder(self) -> Path:
-        """`<job>/attempt_N/` when the job may be retried (as torchrun's attempts), else `<job>/`."""
-        return self.folder / f"attempt_{self.attempts - 1}" if self.retries else self.folder
+        return attempt_folder(self.folder, self.attempts - 1, self.retries)
 
 
 class Runner:
@@ -111,11 +110,14 @@ class Runner:
     `fed`: start with no job; `submit` adds them while the run goes on, and the run
     ends once `close` was called and every job has ended (an engine of wwrun.scale,
     fed by its driver). `display` receives lines, notes and state changes.
+    `cpu_threads`: torch's intra-op threads, when the driver divided the machine's
+    CPUs among every engine's jobs; None: the runner divides them among its own.
     """
 
-    def __init__(self, config: LaunchConfig, display, *, fed: bool = False):
+    def __init__(self, config: LaunchConfig, display, *, fed: bool = False, cpu_threads: int | None = None):
         self.config = config
         self.display = display
+        self._cpu_threads = cpu_threads
         self.policy = config.resolved_policy
         self.device = resolve_device(config.device)
         self.log_root = Path(config.log_dir).absolute()
@@ -176,7 +178,7 @@ class Runner:
         pump = Pump(self.display.line)
         restore_signals = host.handle_interrupts(self._on_signal)
         self.display.start(self)
-        restore_threads = host.share_cpu_threads(self.concurrency, self.display.note)
+        restore_threads = host.share_cpu_threads(self.concurrency, self.display.note, self._cpu_threads)
         thaw = host.freeze_launcher_objects()
         try:
             for job in self.jobs:
@@ -439,12 +441,9 @@ class Runner:
         if code != 0:
             write_error_json(job, code, error)
         if state == JobState.FAILED and self._may_retry(job):
-            self.display.note(
-                f"{job.spec.name} failed ({error or f'exit {code}'}): attempt {job.attempts + 1} of "
-                f"{job.retries + 1}{', once memory frees up' if job.out_of_memory else ''}"
-            )
-            self._requeue(job, f"to be retried (attempt {job.attempts + 1} of {job.retries + 1})"
-                               f"{', once memory frees up' if job.out_of_memory else ''}")
+            retry = retry_note(job.attempts, job.retries, job.out_of_memory)
+            self.display.note(f"{job.spec.name} failed ({error or f'exit {code}'}): {retry}")
+            self._requeue(job, retry)
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from wwrun.config import JobSpec, LaunchConfig
-from wwrun.host import handle_interrupts
+from wwrun.host import cpu_share_note, handle_interrupts
 from wwrun.result import (
-    EXIT_INTERRUPTED, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, point_latest, run_exit_code,
-    seconds, write_error_json, write_run_report,
+    EXIT_INTERRUPTED, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder, point_latest,
+    retry_note, run_exit_code, seconds, write_error_json, write_run_report,
 )
 from wwrun.scale.engines import START_TIMEOUT_S, death_exit_code
 from wwrun.scale.placement import EngineView, Estimates, choose
@@ -120,6 +120,8 @@ class Driver:
             for job in self.jobs:
                 self._set_state(job, JobState.PENDING)
             self._queue = sorted(self.jobs, key=lambda j: (-j.spec.priority, j.index))
+            if self.fleet.cpu_threads is not None:  # said once here, not by each engine
+                self.display.note(cpu_share_note(self.fleet.jobs_at_once, self.fleet.cpu_threads), important=False)
             self.fleet.start()
             self._await_engines()
             self._loop()
@@ -235,7 +237,7 @@ class Driver:
             view.profiling += 1
             self.estimates.scouting[job.key] = job.spec.name
         self._recount(index)
-        folder = job.folder / f"attempt_{job.attempts - 1}" if job.retries else job.folder
+        folder = attempt_folder(job.folder, job.attempts - 1, job.retries)
         job.result.log_dir = str(folder)
         job.result.extra.update(attempts=job.attempts, engine=index)
         job.result.started = job.result.ended = job.result.exit_code = job.result.error = None
@@ -349,16 +351,13 @@ class Driver:
         job.result.error = error
         if state == JobState.FAILED and self._may_retry(job):
             job.avoid.add(engine)
-            self.display.note(
-                f"{job.spec.name} failed on engine {engine} ({error or f'exit {code}'}): attempt "
-                f"{job.attempts + 1} of {job.retries + 1}{', once memory frees up' if job.out_of_memory else ''}"
-            )
+            retry = retry_note(job.attempts, job.retries, job.out_of_memory)
+            self.display.note(f"{job.spec.name} failed on engine {engine} ({error or f'exit {code}'}): {retry}")
             job.engine = None
             job.retry_after_ends = self._ends
             self._queue.append(job)
             self._queue.sort(key=lambda j: (-j.spec.priority, j.index))
-            self._set_state(job, JobState.QUEUED, f"to be retried (attempt {job.attempts + 1} of {job.retries + 1})"
-                                                  f"{', once memory frees up' if job.out_of_memory else ''}")
+            self._set_state(job, JobState.QUEUED, retry)
             return
         self._set_state(job, state)
         if state == JobState.FAILED and self.config.halt != "never" and self._halted is None:

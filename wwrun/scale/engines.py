@@ -22,6 +22,7 @@ and from the driver: submit(spec, index, folder), close(), interrupt().
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -52,7 +53,7 @@ class EngineCore:
     """One engine, in the process that hosts it: a fed `Runner` on its own thread,
     its states, lines and memory sent through `send`."""
 
-    def __init__(self, config, index: int, send):
+    def __init__(self, config, index: int, send, cpu_threads: int | None = None):
         from wwrun import isolation, libstate, rng
         from wwrun.runner import Runner
 
@@ -61,7 +62,7 @@ class EngineCore:
         isolation.install()
         libstate.install()
         rng.install()
-        self.runner = Runner(config, _Forward(self), fed=True)
+        self.runner = Runner(config, _Forward(self), fed=True, cpu_threads=cpu_threads)
         self._thread = threading.Thread(target=self._run, name=f"wwrun-engine-{index}", daemon=True)
         self._ended = threading.Event()
 
@@ -152,7 +153,7 @@ class _Forward:
 # ----------------------------------------------------------------------------- processes
 
 
-def _process_main(conn, config, index: int, gpu: int | None) -> None:
+def _process_main(conn, config, index: int, gpu: int | None, cpu_threads: int | None = None) -> None:
     """An engine process: commands from the pipe, messages back through it."""
     if gpu is not None:  # before torch looks: this process sees its GPU alone, as device 0
         os.environ["CUDA_VISIBLE_DEVICES"] = _physical_gpu(gpu)
@@ -167,7 +168,7 @@ def _process_main(conn, config, index: int, gpu: int | None) -> None:
                 pass
 
     try:
-        core = EngineCore(config, index, send)
+        core = EngineCore(config, index, send, cpu_threads)
         core.start()
     except BaseException as exc:  # noqa: BLE001
         send(("error", f"engine {index} could not start: {type(exc).__name__}: {exc}"))
@@ -232,9 +233,14 @@ class ProcessFleet:
     kind = "process"
 
     def __init__(self, config, plan):
+        from wwrun import host
+
         self.config = config
         self.plan = plan
         self.engines = [_Engine(i, plan.limits[i], f"engine {i}") for i in range(plan.count)]
+        self.jobs_at_once = min(len(config.jobs), plan.count * config.concurrency)
+        self.cpu_threads = host.cpu_threads_per_job(self.jobs_at_once)
+        """torch's intra-op threads in every engine: they share this machine's CPUs."""
         self._procs = []
         self._conns = []
 
@@ -259,7 +265,8 @@ class ProcessFleet:
                 engine.label += f" (GPU {gpu})"
             proc = ctx.Process(
                 target=_process_main, name=f"wwrun-engine-{engine.index}",
-                args=(child, engine_config(self.config, engine.limit, engine.index), engine.index, gpu),
+                args=(child, engine_config(self.config, engine.limit, engine.index), engine.index, gpu,
+                      self.cpu_threads),
                 daemon=True,
             )
             proc.start()
@@ -404,6 +411,7 @@ class RayFleet:
     that Ray is used."""
 
     kind = "ray"
+    cpu_threads = None  # engines on several hosts: each divides its own host's CPUs
 
     def __init__(self, config, plan):
         self.config = config
@@ -418,7 +426,10 @@ class RayFleet:
 
         if not ray.is_initialized():
             address = None if self.config.ray == "local" else self.config.ray
-            options = {"address": address, "include_dashboard": False, "log_to_driver": False}
+            # Ray's own INFO and WARNING lines (token authentication, "Started a local Ray
+            # instance") are not the run's: only its errors reach wwrun's output.
+            options = {"address": address, "include_dashboard": False, "log_to_driver": False,
+                       "logging_level": logging.ERROR}
             if address is None and self.plan.device == "cpu":
                 options["num_cpus"] = max(os.cpu_count() or 1, self.plan.count or 1)
             try:
