@@ -305,7 +305,7 @@ class _Runner:
             nodegroups=config.nodegroups, queue=config.queue, trace=bool(config.trace or config.memory_plot),
             note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
         )
-        if self.memory.allocator == "native":
+        if self.memory.allocator != "waterwave":
             try:
                 refuse_job_memory_limits(config, "under PyTorch's allocator")
             except ConfigError:

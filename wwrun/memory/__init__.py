@@ -141,8 +141,9 @@ class Memory:
         return host_total()
 
     def _install(self, limit) -> str:
-        """wwrun's allocator for the run ('waterwave'), or PyTorch's ('native') when it
-        cannot be had, said once."""
+        """wwrun's allocator for the run, or PyTorch's when it cannot be had (said
+        once); the allocator that then serves the jobs, as `allocator.in_use`
+        names it ('waterwave', 'native', 'cudaMallocAsync'), for the report."""
         from wwrun.config import resolve_size
         from wwrun.memory import allocator
 
@@ -150,7 +151,7 @@ class Memory:
         if requested:
             self._note(f"PyTorch's allocator configuration asks for its {requested} backend: "
                        "the jobs use it, not wwrun's memory-flow allocator")
-            return "native"
+            return allocator.in_use(self.device)
         try:
             if self.device == "cuda":
                 allocator.install()
@@ -159,8 +160,7 @@ class Memory:
                 allocator.install_cpu_allocator(capacity)
         except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
             self._note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
-            return "native"
-        return "waterwave"
+        return allocator.in_use(self.device)
 
     def _limit(self, limit) -> int | None:
         """The bytes the run may use, enforced by the allocator and planned for by the
@@ -187,6 +187,9 @@ class Memory:
         bytes_ = min(resolved or usable, usable)
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
             torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
+        # The run's peaks are its own: the CUDA allocator lives as long as the process,
+        # and an earlier in-process run (wwrun.launch in a benchmark) left its own.
+        torch.cuda.reset_peak_memory_stats()
         return bytes_
 
     def _make_engine(self, policy, nodegroups, queue, trace, current_job):
