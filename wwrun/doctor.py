@@ -69,7 +69,7 @@ JOB_SCRIPT = '''\
 import json, sys
 import torch
 
-device, steps, index = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+device, steps, index, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 MAGIC = 0x5757_7275_6E00_0000          # a job's marker word is MAGIC + its index
 torch.manual_seed(index)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
@@ -82,7 +82,7 @@ for _ in range(steps):
     foreign += int(((tags >= 0) & (tags < 1 << 16) & (tags != index)).sum())
     received.fill_(MAGIC + index)
     del received, tags
-    x = torch.randn(512, 256, device=device)
+    x = torch.randn(batch, 256, device=device)
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
@@ -114,16 +114,24 @@ def _last_json(text: str):
     return None
 
 
+# Batch of the job script. On CUDA its activations (~0.5 GiB) outweigh what a job
+# keeps for good (cuBLAS's workspace per stream, ~66 MiB on sm_90, counts to the job
+# and is never freed), so a limit of 1.5 peaks still holds one job's activations
+# beside another's workspace.
+_BATCH = {"cpu": 512, "cuda": 32768}
+
+
 def _jobs_run(device: str, jobs: int, steps: int, folder: Path, *options: str,
-              timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None, list]:
+              timeout: float = 300, batch: int | None = None) -> tuple[subprocess.CompletedProcess, dict | None, list]:
     """Run `jobs` copies of the job script under wwrun; its report and each job's figures."""
     script = _write_job_script(folder)
+    batch = batch or _BATCH["cuda" if device.startswith("cuda") else "cpu"]
     report = folder / f"report-{time.monotonic_ns()}.json"
     argv = ["--device", device, "--quiet", "--log-dir", str(folder / "logs"), "--report", str(report), *options]
     for index in range(jobs):
         if index:
             argv.append(":")
-        argv += [str(script), device, str(steps), str(index)]
+        argv += [str(script), device, str(steps), str(index), str(batch)]
     done = subprocess.run(_wwrun_command(*argv), capture_output=True, text=True, timeout=timeout,
                           env=_child_env(device), stdin=subprocess.DEVNULL)
     data = json.loads(report.read_text()) if report.is_file() else None
@@ -335,7 +343,8 @@ def _in_child(function: str) -> Callable[[str, Path, Path], list[str]]:
 def sweep(device: str, folder: str, jobs: int = 40) -> int:
     """40 jobs of a sweep through the queue: each reports its own figures, and no job
     finds another job's marker words in the memory it receives."""
-    done, report, figures = _jobs_run(device, jobs, 5, Path(folder), "--max-concurrent", "4", timeout=STEP_LIMIT_S)
+    done, report, figures = _jobs_run(device, jobs, 5, Path(folder), "--max-concurrent", "4", timeout=STEP_LIMIT_S,
+                                      batch=_BATCH["cpu"])  # many small jobs
     if not report:
         print(json.dumps({"error": _failure(done)}))
         return 1
