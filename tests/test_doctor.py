@@ -224,3 +224,11 @@ def test_out_onto_a_file_is_refused(tmp_path):
     target.write_text("")
     done = wwrun("doctor", "--full", "--only", "clean-exit", "--out", str(target))
     assert done.returncode == 2 and "not a folder" in done.stderr
+
+
+def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
+    monkeypatch.setattr(doctor, "_install_state", lambda: "not installed")
+    check = doctor.check_environment("cpu")
+    assert check.verdict == doctor.PASS and check.figures["install"] == "not installed"
+    assert "pip install --no-index --no-build-isolation --no-deps -e ." in check.advice
+    assert check.advice in doctor.line(check, 12)

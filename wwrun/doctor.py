@@ -44,6 +44,10 @@ _MARKS = {PASS: "✓", FAIL: "✗", SKIP: "–"}
 STEP_LIMIT_S = 600
 FULL_LIMIT_S = 25 * 60
 _CHECKOUT = Path(__file__).resolve().parents[1]
+OFFLINE_INSTALL = "pip install --no-index --no-build-isolation --no-deps -e ."
+"""The install that needs no package index (a GPU machine without network): torch and
+wwrun's other dependencies are there already, and the setuptools torch brought
+builds it. Without any install, `python -m wwrun` from the checkout works too."""
 
 
 @dataclasses.dataclass
@@ -161,7 +165,24 @@ def check_environment(device: str) -> Check:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else (platform.processor() or platform.machine() or "cpu")
     detail = (f"{device} ({name}), torch {torch.__version__}, CUDA {cuda}, "
               f"Python {platform.python_version()}, {os.cpu_count()} CPU cores")
-    return Check("environment", PASS, detail, figures=_versions(device))
+    install = _install_state()
+    advice = ""
+    if install == "not installed":  # run from a checkout: fine, but no `wwrun` command
+        detail += f"; wwrun not installed, run from {_CHECKOUT}"
+        advice = f"to install it without a package index: cd {_CHECKOUT} && {OFFLINE_INSTALL}"
+    return Check("environment", PASS, detail, advice, figures={**_versions(device), "install": install})
+
+
+def _install_state() -> str:
+    """'installed', 'editable' (pip install -e) or 'not installed' (run from a checkout)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("wwrun")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    return "editable" if direct.get("dir_info", {}).get("editable") else "installed"
 
 
 def _versions(device: str) -> dict:
@@ -597,12 +618,6 @@ def _size(n: int) -> str:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2, as every wwrun error
         self.exit(2, f"{self.prog}: {message}\n")
-
-
-OFFLINE_INSTALL = "pip install --no-build-isolation --no-deps -e ."
-"""The install that needs no package index (a GPU machine without network): the
-setuptools torch brought builds it. Without any install: `python -m wwrun` from
-the checkout."""
 
 
 def _seconds(text: str) -> float:
