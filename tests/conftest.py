@@ -42,7 +42,7 @@ def pytest_pyfunc_call(pyfuncitem):
     if "fresh_process" not in pyfuncitem.keywords or os.environ.get(FRESH_PROCESS_ENV) == pyfuncitem.nodeid:
         return None
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(pyfuncitem.config.rootpath),
-            f"{pyfuncitem.path}::{pyfuncitem.name}"]
+            pyfuncitem.nodeid]  # relative to the root folder, the child's working folder
     env = dict(os.environ, **{FRESH_PROCESS_ENV: pyfuncitem.nodeid, "WWRUN_TEST_SESSION_PID": str(os.getpid())})
     try:
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=FRESH_PROCESS_LIMIT_S,
