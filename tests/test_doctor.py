@@ -123,6 +123,12 @@ def test_figures_in_the_table_are_formatted():
     assert doctor._summary(figures, waterwave.shown) == ": waterwave_2jobs=1, b_speedup_vs_sequential=1.6"
 
 
+def test_a_pytest_step_s_figures_are_its_counts():
+    assert doctor._pytest_figures("x\n3 passed, 1 skipped, 1 error, 40 deselected in 9.10s\n") == {
+        "passed": 3, "skipped": 1, "errors": 1, "deselected": 40}
+    assert doctor._pytest_figures("no tests ran in 0.01s") is None
+
+
 def test_the_budget_plan_runs_what_fits_and_leaves_the_rest():
     steps = [_step(name, "", estimate=seconds) for name, seconds in
              (("a", 300), ("b", 200), ("c", 100), ("d", 30), ("e", 600))]

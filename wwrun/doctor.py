@@ -337,12 +337,14 @@ class Step:
     """Figures the table shows (dotted paths into the step's JSON)."""
 
 
-def _pytest(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(_CHECKOUT / "tests"), *args]
+def _pytest(*args: str, file: str | None = None) -> list[str]:
+    """pytest on one test file (else every test), with no cache left behind."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            str(_CHECKOUT / "tests" / file) if file else str(_CHECKOUT / "tests"), *args]
 
 
-def _test_file(device: str) -> str:
-    return str(_CHECKOUT / "tests" / ("test_allocator_cuda.py" if device.startswith("cuda") else "test_allocator.py"))
+def _allocator_tests(device: str) -> str:
+    return "test_allocator_cuda.py" if device.startswith("cuda") else "test_allocator.py"
 
 
 def _bench(name: str, *args: str) -> list[str]:
@@ -408,14 +410,14 @@ STEPS: list[Step] = [
          shown=("a_batch_fraction.waterwave_2jobs", "b_speedup_vs_sequential", "b_speedup_vs_processes",
                 "b_waterwave_peak_over_budget", "d_single_job_overhead_small")),
     Step("rule-f", "a job waits for another's frees instead of running out of memory",
-         lambda d, t, o: _pytest("-k", "rule_f", _test_file(d)), True, estimate_s=(30, 30)),
+         lambda d, t, o: _pytest("-k", "rule_f", file=_allocator_tests(d)), True, estimate_s=(30, 30)),
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
-         _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", str(_CHECKOUT / "tests" / "test_allocator_cuda.py"))), True,
+         _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", file="test_allocator_cuda.py")), True,
          estimate_s=(None, 30)),
     Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _in_child("sweep"),
          estimate_s=(150, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
     Step("scrub", "bytes a job freed read as zero by the next owner",
-         lambda d, t, o: _pytest("-k", "scrub or never_reads", _test_file(d)), True, estimate_s=(30, 30)),
+         lambda d, t, o: _pytest("-k", "scrub or never_reads", file=_allocator_tests(d)), True, estimate_s=(30, 30)),
     Step("kernels", "Triton pack/unpack/zero against copy, torch.cat, _foreach_*, pinned copies",
          lambda d, t, o: _bench("kernels.py", "--out", str(o / "kernels.json")), True, allocator=None,
          estimate_s=(60, 90), shown=("ratios.pack_large_vs_d2d_copy", "ratios.pack_small_vs_copy_loop",
@@ -454,9 +456,8 @@ _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpasse
 
 def _pytest_figures(stdout: str) -> dict | None:
     """The counts of pytest -q's last line ('3 passed, 1 skipped in 9.1s')."""
-    counts = {kind.rstrip("s") + ("s" if kind.startswith("error") else ""): int(n)
-              for n, kind in _PYTEST_COUNT.findall(_last_line(stdout))}
-    return counts or None
+    found = {{"error": "errors"}.get(kind, kind): int(n) for n, kind in _PYTEST_COUNT.findall(_last_line(stdout))}
+    return found or None
 
 
 def run_step(step: Step, device: str, limit_s: float, out: Path) -> Check:
