@@ -332,7 +332,9 @@ class Step:
     fails when they name another; pytest steps name it from their tests, which
     assert it themselves; None: the step measures no allocator."""
     estimate_s: tuple[float | None, float] = (60, 60)
-    """(CPU, CUDA) seconds, for --budget until a measured duration is at hand."""
+    """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
+    CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
+    estimates for an H100 (19 minutes in all), never yet measured."""
     shown: tuple[str, ...] = ()
     """Figures the table shows (dotted paths into the step's JSON)."""
 
@@ -400,30 +402,30 @@ STEPS: list[Step] = [
          estimate_s=(None, 240)),
     Step("allocator", "allocator vs PyTorch's native and cudaMallocAsync allocators; host pairs/s",
          lambda d, t, o: _bench("allocator.py", "--repeats", "10", "--out", str(o / "allocator_gpu.json")), True,
-         estimate_s=(40, 150),
+         estimate_s=(20, 150),
          shown=("host_pairs_per_s", "cpu_routing_ratio", "gpu.latency_ratio",
                 "gpu.alternating_peak_reserved_ratio", "gpu.two_job_throughput_ratio")),
     Step("waterwave", "the paper's experiments through the launcher",
          lambda d, t, o: _bench("waterwave.py", *(("--device", "cuda") if d.startswith("cuda") else ("--quick",)),
                                 "--out", str(o / f"waterwave-{'cuda' if d.startswith('cuda') else 'cpu'}.json")), True,
-         estimate_s=(150, 420),
+         estimate_s=(240, 420),
          shown=("a_batch_fraction.waterwave_2jobs", "b_speedup_vs_sequential", "b_speedup_vs_processes",
                 "b_waterwave_peak_over_budget", "d_single_job_overhead_small")),
     Step("rule-f", "a job waits for another's frees instead of running out of memory",
-         lambda d, t, o: _pytest("-k", "rule_f", file=_allocator_tests(d)), True, estimate_s=(30, 30)),
+         lambda d, t, o: _pytest("-k", "rule_f", file=_allocator_tests(d)), True, estimate_s=(15, 30)),
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
          _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", file="test_allocator_cuda.py")), True,
          estimate_s=(None, 30)),
     Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _in_child("sweep"),
-         estimate_s=(150, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
+         estimate_s=(30, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
     Step("scrub", "bytes a job freed read as zero by the next owner",
-         lambda d, t, o: _pytest("-k", "scrub or never_reads", file=_allocator_tests(d)), True, estimate_s=(30, 30)),
+         lambda d, t, o: _pytest("-k", "scrub or never_reads", file=_allocator_tests(d)), True, estimate_s=(15, 30)),
     Step("kernels", "Triton pack/unpack/zero against copy, torch.cat, _foreach_*, pinned copies",
          lambda d, t, o: _bench("kernels.py", "--out", str(o / "kernels.json")), True, allocator=None,
-         estimate_s=(60, 90), shown=("ratios.pack_large_vs_d2d_copy", "ratios.pack_small_vs_copy_loop",
+         estimate_s=(45, 90), shown=("ratios.pack_large_vs_d2d_copy", "ratios.pack_small_vs_copy_loop",
                                      "ratios.zero_large_vs_foreach_zero")),
     Step("clean-exit", "the process exits cleanly (no terminate, no CUDA error at teardown)", _in_child("clean_exit"),
-         estimate_s=(20, 30)),
+         estimate_s=(15, 30)),
 ]
 
 
