@@ -189,8 +189,8 @@ def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:  # until the first step is in the JSON (bounded)
-            if path.is_file() and "writes" in path.read_text():
-                break
+            if path.is_file() and "writes" in {s["name"] for s in json.loads(path.read_text())["steps"]}:
+                break  # (written whole and renamed into place: never half a file)
             assert child.poll() is None, child.communicate()
             time.sleep(0.2)
         else:
