@@ -231,6 +231,10 @@ def test_the_run_names_the_allocator_that_really_serves_it():
     finally:
         memory.close()
     assert allocator.in_use("cpu") == "native"
+    import torch
+
+    if torch.version.cuda is None:  # a CPU build of torch has PyTorch's CUDA allocator alone
+        assert allocator.in_use("cuda") == "native"
 
 
 @pytest.mark.gpu
