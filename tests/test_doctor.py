@@ -168,6 +168,13 @@ def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsy
     assert [s["name"] for s in json.loads((out / "doctor.json").read_text())["steps"]][-1] == "three"
 
 
+def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
+    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": []}))
+    with pytest.raises(SystemExit) as exit:
+        doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
+    assert exit.value.code == 2 and "made with another torch" in capsys.readouterr().err
+
+
 _KILLED_DRIVER = """
 import sys
 from wwrun import doctor
