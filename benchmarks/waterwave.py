@@ -340,8 +340,8 @@ def main() -> None:
 
     # (a) largest batch, solo and shared: engine-level (threads between job_started and
     # job_finished, as the launcher calls them), as a bisection needs many short runs.
-    # On CUDA a larger budget: cuBLAS's workspace (32 MiB per stream on sm_90) comes
-    # from it too.
+    # On CUDA a larger budget: each job stream's cuBLAS workspaces (~33 MiB each on
+    # sm_90, kept for good) live in it too.
     capacity_a, high_a = (32 * 2**20, 1 << 16) if DEVICE == "cpu" else (512 * 2**20, 1 << 19)
     solo = largest_batch(1, width, capacity_a, "waterwave", high=high_a)
     if solo == 0:

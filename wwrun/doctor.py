@@ -118,10 +118,9 @@ def _last_json(text: str):
     return None
 
 
-# Batch of the job script. On CUDA its activations (~0.5 GiB) outweigh what a job
-# keeps for good (cuBLAS's workspace per stream, ~66 MiB on sm_90, counts to the job
-# and is never freed), so a limit of 1.5 peaks still holds one job's activations
-# beside another's workspace.
+# Batch of the job script. On CUDA its activations (~0.5 GiB) outweigh the fixed
+# costs of a job's stream (cuBLAS's workspaces, ~66 MiB on sm_90, kept for good), so
+# a limit of 1.5 peaks holds one job's activations beside the other's fixed costs.
 _BATCH = {"cpu": 512, "cuda": 32768}
 
 

@@ -185,11 +185,12 @@ class Memory:
             raise ConfigError("device", f"the GPU has no memory left for jobs (of {format_size(total)}, "
                               "the rest is taken by other processes and the driver's headroom)")
         bytes_ = min(resolved or usable, usable)
-        # The run starts from what is live: the CUDA allocator lives as long as the
-        # process, and an earlier in-process run (wwrun.launch in a benchmark) left its
-        # cached segments and peaks, which are not this run's.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_initialized():  # (after device_capacity's warm-up, always on a GPU)
+            # The run starts from what is live: the CUDA allocator lives as long as the
+            # process, and an earlier in-process run (wwrun.launch in a benchmark) left
+            # its cached segments and peaks, which are not this run's.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
             torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
         return bytes_
