@@ -9,8 +9,11 @@ fresh process: (i) single-stream torch.empty+del latency (target: no slower);
 (ii) two streams alternating forward/backward-like phases, peak reserved memory
 (target <= 0.6x native); (iii) two- and four-job training steps' throughput (target >=
 native). Each is also measured against `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`,
-where the CUDA driver itself reuses memory freed on another stream. GPU results are saved under benchmarks/results/. The last line printed is
-one JSON object.
+where the CUDA driver itself reuses memory freed on another stream. GPU results are
+saved to benchmarks/results/allocator_gpu.json, or --out. The last line printed is
+one JSON object; its `allocator` is the one measured (wwrun's, 'waterwave'), and each
+GPU child names the allocator it really ran on (`wwrun.memory.allocator.in_use`): a
+child on another allocator than its own stops the benchmark with an error.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def cpu_routing_cost(steps: int) -> dict:
     wa.install_cpu_allocator(1 << 30)
     wa.mark_job_thread("bench")
     try:
+        routed_on = wa.in_use("cpu")
         loop()
         routed = loop()
         peak = wa.cpu_job_stats("bench")["allocated_bytes"]["peak"]
@@ -94,6 +98,7 @@ def cpu_routing_cost(steps: int) -> dict:
         "cpu_routed_ms_per_step": routed * 1e3,
         "cpu_routing_ratio": routed / native,
         "cpu_routed_job_peak_mib": peak / 2**20,
+        "cpu_routed_allocator": routed_on,
     }
 
 
@@ -102,12 +107,12 @@ def gpu_child(kind: str) -> dict:
 
     import torch
 
-    if kind == "wwrun":
-        import wwrun.memory.allocator as wa
+    import wwrun.memory.allocator as wa
 
+    if kind == "wwrun":
         wa.install()
     torch.cuda.init()
-    result = {}
+    result = {"allocator": wa.in_use("cuda")}  # what this child really measures
 
     # (i) single-stream alloc+free latency
     sizes = [256 * 1024, 4 * MiB, 1024, 32 * MiB]
@@ -183,20 +188,27 @@ def gpu_child(kind: str) -> dict:
 _ASYNC_CONF = "backend:cudaMallocAsync"
 
 
-def gpu_side_by_side() -> dict:
+# What each child must run on; anything else is a fallback, not a measurement.
+_CHILD_ALLOCATOR = {"native": "native", "async": "cudaMallocAsync", "wwrun": "waterwave"}
+
+
+def gpu_side_by_side(out: Path | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     runs = {}
     for kind in ("native", "async", "wwrun"):
         child_env = dict(env, PYTORCH_CUDA_ALLOC_CONF=_ASYNC_CONF) if kind == "async" else env
-        out = subprocess.run(
+        done = subprocess.run(
             [sys.executable, __file__, "--child", kind], capture_output=True, text=True, env=child_env
         )
-        if out.returncode != 0 and kind == "async":  # a comparison, not ours: note why and go on
-            runs[kind] = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1]}
+        if done.returncode != 0 and kind == "async":  # a comparison, not ours: note why and go on
+            runs[kind] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
             continue
-        if out.returncode != 0:
-            raise SystemExit(f"{kind} run failed:\n{out.stderr[-3000:]}")
-        runs[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+        if done.returncode != 0:
+            raise SystemExit(f"{kind} run failed:\n{done.stderr[-3000:]}")
+        runs[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        if runs[kind]["allocator"] != _CHILD_ALLOCATOR[kind]:
+            raise SystemExit(f"the {kind} run measured the {runs[kind]['allocator']!r} allocator, "
+                             f"not {_CHILD_ALLOCATOR[kind]!r}")
     native, ours, driver = runs["native"], runs["wwrun"], runs["async"]
     summary = {
         "native": native,
@@ -219,8 +231,9 @@ def gpu_side_by_side() -> dict:
     import torch
 
     summary["device"] = torch.cuda.get_device_name()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "allocator_gpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    out = out or RESULTS / "allocator_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -228,24 +241,29 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50, help="passes over the host trace")
     parser.add_argument("--cpu-steps", type=int, default=50, help="steps of the CPU training loop")
+    parser.add_argument("--out", type=Path, help="where the GPU figures go (default: "
+                        "benchmarks/results/allocator_gpu.json)")
     parser.add_argument("--child", choices=["native", "async", "wwrun"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(gpu_child(args.child)))
         return
 
-    result = host_pairs_per_second(args.repeats)
+    result = {"allocator": "waterwave"}  # the host backend and the routed loop are wwrun's
+    result.update(host_pairs_per_second(args.repeats))
     for key, label in (("host", "one stream"), ("host_two_streams", "two streams")):
         print(f"host backend, {label}: {result[key + '_pairs_per_s'] / 1e6:.2f} M alloc/free "
               f"pairs/s ({result[key + '_ns_per_pair']:.0f} ns/pair; target >= 2 M)")
     result.update(cpu_routing_cost(args.cpu_steps))
+    if result["cpu_routed_allocator"] != "waterwave":
+        raise SystemExit(f"the routed CPU loop ran on the {result['cpu_routed_allocator']!r} allocator")
     print(f"CPU training loop routed through the allocator: "
           f"{result['cpu_routed_ms_per_step']:.2f} ms/step vs {result['cpu_native_ms_per_step']:.2f} "
           f"native ({result['cpu_routing_ratio']:.3f}x)")
     import torch
 
     if torch.cuda.is_available():
-        gpu = gpu_side_by_side()
+        gpu = gpu_side_by_side(args.out)
         print(f"(i) latency wwrun/native: {gpu['latency_ratio']:.2f}x (target <= 1)")
         print(f"(ii) alternating peak reserved wwrun/native: "
               f"{gpu['alternating_peak_reserved_ratio']:.2f}x (target <= 0.6)")

@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/waterwave.py               # CPU, --memory-limit budgets (~3 min on 2 cores)
     PYTHONPATH=. python benchmarks/waterwave.py --quick       # fewer steps and repeats
     PYTHONPATH=. python benchmarks/waterwave.py --device cuda # the same on a GPU
+    PYTHONPATH=. python benchmarks/waterwave.py --out FILE    # the JSON there (what `wwrun doctor` passes)
 
 The jobs of (b), (c) and (d) are one real training script, benchmarks/train_job.py
 (an MLP on synthetic data, its own torch.Generator), run through wwrun's launcher
@@ -47,9 +48,17 @@ interleaved repeats.
     routing a job's memory through wwrun's allocator (benchmarks/allocator.py's
     training loop with torch's CPU allocator and with wwrun's).
 
+Every figure says which allocator it measured: the JSON's `allocator` is the one
+every wwrun run of (a)-(d) got (`wwrun.memory.allocator.in_use`, as the run's report
+names it), and `allocators` names each mode's. A wwrun run on any other allocator
+than wwrun's stops the benchmark with an error: on CUDA, wwrun's allocator is
+installed before the first CUDA tensor of this process, or every later launch would
+find CUDA initialised and fall back to PyTorch's.
+
 Prints the figures, then LAST one JSON object on one line; full runs also save it
-to benchmarks/results/waterwave-<device>.json. The CUDA command has never been run
-(the machine it was written on has no GPU); there the launcher keeps the budget.
+to benchmarks/results/waterwave-<device>.json (or --out). The CUDA command has never
+been run (the machine it was written on has no GPU); there the launcher keeps the
+budget.
 """
 
 from __future__ import annotations
@@ -92,6 +101,16 @@ RESULTS = os.path.join(HERE, "results")
 JOB_SCRIPT = os.path.join(HERE, "train_job.py")
 REPO = os.path.dirname(HERE)
 TORCH_BACKEND = "cudaMallocAsync"  # GPU mode's other cross-stream reuse
+WWRUN = "waterwave"  # the allocator every wwrun run here must measure (allocator.in_use)
+
+
+def measured_on(allocator_name: str, expected: str, what: str) -> str:
+    """The allocator a run reported; an error when it is not the one it claims to
+    measure (a fallback would publish another allocator's figures as ours)."""
+    if allocator_name != expected:
+        raise RuntimeError(f"{what} ran on the {allocator_name!r} allocator, not {expected!r}: "
+                           "its figures would not be the ones it claims")
+    return allocator_name
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -171,11 +190,14 @@ def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     just queued behind the others). concurrent (spatial sharing): the jobs' peaks must
     fit side by side, as separate processes each keeping their peak (caching
     allocators) would need."""
-    memory = Memory("cpu", capacity, policy)  # what the launcher holds: allocator, budget, engine
+    memory = Memory(DEVICE, capacity, policy)  # what the launcher holds: allocator, budget, engine
     try:
+        measured_on(memory.allocator, WWRUN, f"(a) {policy}")
         _, errors = run_threads(jobs, memory.session)
-        peaks = [allocator.cpu_job_stats(name)["allocated_bytes"]["peak"] for name in errors]
-        assert allocator.cpu_stats()["device"]["reserved_bytes"]["peak"] <= capacity
+        cuda = DEVICE == "cuda"
+        peaks = [(allocator.job_stats if cuda else allocator.cpu_job_stats)(name)["allocated_bytes"]["peak"]
+                 for name in errors]
+        assert (allocator.stats if cuda else allocator.cpu_stats)()["device"]["reserved_bytes"]["peak"] <= capacity
     finally:
         memory.close()
     engine = memory.engine
@@ -228,6 +250,7 @@ def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None
         ), display=QuietDisplay(io.StringIO()))  # not even --quiet's summary table
         if result.exit_code != 0:
             raise RuntimeError(f"wwrun --policy {policy} failed: {[j.error for j in result.jobs]}")
+        measured_on(result.extra["allocator"], WWRUN, f"wwrun --policy {policy}")
         spans = [loop_span((Path(job.log_dir) / "stdout.log").read_text()) for job in result.jobs]
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -253,6 +276,7 @@ def torch_allocator_threads(jobs: list[list[str]]) -> tuple[float, int]:
         if done.returncode != 0:
             raise RuntimeError(f"wwrun under {TORCH_BACKEND} failed: {done.stderr[-2000:]}")
         run = json.loads(Path(report).read_text())
+        measured_on(run["run"]["allocator"], TORCH_BACKEND, f"wwrun under {TORCH_BACKEND}")
         spans = [loop_span((Path(run["run"]["log_dir"]) / job["name"] / "stdout.log").read_text())
                  for job in run["jobs"]]
         return makespan(spans), run["run"]["peak_reserved_bytes"]
@@ -290,9 +314,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", help="write the JSON here (default: full runs to "
+                        "benchmarks/results/waterwave-<device>.json, --quick runs nowhere)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    if DEVICE == "cuda":
+        # Before any CUDA work in this process (the warm-up below is the first):
+        # the launches find it installed instead of falling back to PyTorch's.
+        allocator.install()
     torch.set_num_threads(1)
     repeats, steps = (2, 20) if args.quick else (5, 60)
     train(width=8, batch=2, steps=2, seed=0)  # one-time imports and warm-up
@@ -301,20 +331,28 @@ def main() -> None:
     command = "python benchmarks/waterwave.py" + (f" --device {DEVICE}" if DEVICE != "cpu" else "") + (" --quick" if args.quick else "")
     result: dict = {"device": DEVICE, "device_name": device_name(), "cpu_cores": cores, "threads_per_job": 1,
                     "torch": torch.__version__, "command": command, "quick": args.quick,
-                    "load_average_at_start": round(os.getloadavg()[0], 2)}  # others' work on shared cores
+                    "load_average_at_start": round(os.getloadavg()[0], 2),  # others' work on shared cores
+                    # What each mode ran on: wwrun's runs are checked as they end.
+                    "allocator": WWRUN, "allocators": {"waterwave": WWRUN, "sequential": WWRUN,
+                                                       "processes": "native"}}
     print(f"{DEVICE} ({result['device_name']}), {cores} CPU cores, one intra-op thread per job "
           f"(OMP_NUM_THREADS=1), torch {torch.__version__}, load average {result['load_average_at_start']}")
 
     # (a) largest batch, solo and shared: engine-level (threads between job_started and
     # job_finished, as the launcher calls them), as a bisection needs many short runs.
-    capacity_a = 32 * 2**20
-    solo = largest_batch(1, width, capacity_a, "waterwave", high=1 << 16)
+    # On CUDA a larger budget: each job stream's cuBLAS workspaces (~33 MiB each on
+    # sm_90, kept for good) live in it too.
+    capacity_a, high_a = (32 * 2**20, 1 << 16) if DEVICE == "cpu" else (512 * 2**20, 1 << 19)
+    solo = largest_batch(1, width, capacity_a, "waterwave", high=high_a)
+    if solo == 0:
+        raise RuntimeError(f"(a) not even a batch of 1 trains alone in {capacity_a >> 20} MiB")
     fractions = {}
     for count in (2, 3):
         for policy, label in (("waterwave", "waterwave"), ("concurrent", "spatial")):
             shared = largest_batch(count, width, capacity_a, policy, high=solo)
             fractions[f"{label}_{count}jobs"] = round(shared / solo, 4)
     print(f"(a) budget {capacity_a >> 20} MiB, solo max batch {solo}; shared / solo: {fractions}")
+    result["a_budget_bytes"] = capacity_a
     result["a_solo_max_batch"] = solo
     result["a_batch_fraction"] = fractions
 
@@ -349,6 +387,7 @@ def main() -> None:
             return seconds
 
         modes["cuda_malloc_async"] = async_run
+        result["allocators"]["cuda_malloc_async"] = TORCH_BACKEND
     times = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, run in modes.items():
@@ -432,9 +471,10 @@ def main() -> None:
     result["d_gating_us_per_iteration"] = round(costs["waterwave"] - costs["concurrent"], 1)
     print(f"(d) engine's fixed cost per iteration: {costs['concurrent'] - costs[None]:.0f} µs measuring memory"
           f" (saved-tensor hooks), {costs['waterwave'] - costs['concurrent']:.0f} µs gating 4 NodeGroups")
-    if not args.quick:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, f"waterwave-{DEVICE}.json"), "w") as f:
+    out = args.out or (None if args.quick else os.path.join(RESULTS, f"waterwave-{DEVICE}.json"))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result))
 

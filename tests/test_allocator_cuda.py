@@ -190,9 +190,12 @@ def test_device_capacity_measures_what_goes_outside_the_allocator_and_per_stream
 
 
 def run_fresh(body: str) -> dict:
-    """Runs `body` in a new interpreter after installing the allocator; the
-    script prints one JSON object as its last line."""
-    script = "import json, threading, torch\nimport wwrun.memory.allocator as wa\nwa.install()\n"
+    """Runs `body` in a new interpreter after installing the allocator (there CUDA
+    is not yet initialised, so it installs or the test fails: it never measures
+    PyTorch's allocator instead); the script prints one JSON object as its last
+    line."""
+    script = ("import json, threading, torch\nimport wwrun.memory.allocator as wa\nwa.install()\n"
+              "assert wa.in_use('cuda') == 'waterwave', wa.in_use('cuda')\n")
     script += textwrap.dedent(body)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
@@ -348,7 +351,9 @@ def test_a_job_over_its_limit_alone_gets_out_of_memory():
 @pytest.mark.gpu
 def test_rule_f_a_job_waits_for_another_s_frees_instead_of_running_out_of_memory():
     """B asks for more than the device has left while A, about to free, holds most of
-    it: B waits (rule f) and gets A's memory, instead of torch.OutOfMemoryError."""
+    it: B waits (rule f) and gets A's memory, instead of torch.OutOfMemoryError.
+    B allocates from a thread marked as its job's (as the launcher marks a job's
+    thread): rule f never waits in an unmarked one."""
     out = run_fresh("""
         import time
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -367,10 +372,12 @@ def test_rule_f_a_job_waits_for_another_s_frees_instead_of_running_out_of_memory
                 del held
 
         threading.Thread(target=release).start()
+        wa.mark_job_thread("B")
         start = time.monotonic()
         with torch.cuda.stream(s2):
             got = torch.empty(size, dtype=torch.uint8, device="cuda")
         waited = time.monotonic() - start
+        wa.unmark_job_thread()
         print(json.dumps({"waited": waited, "rules": wa.stats()["rules"]}))
     """)
     assert out["rules"]["f"] >= 1 and out["waited"] >= 0.3

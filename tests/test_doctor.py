@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -33,21 +37,33 @@ def test_memory_flow_keeps_two_jobs_under_a_limit_that_holds_one():
     peaks = [job["peak_memory_bytes"] for job in check.figures["jobs"].values()]
     assert len(peaks) == 2 and sum(peaks) > limit  # oversubscribed, so the check can fail
     assert 0 < run_peak <= limit
+    assert check.allocator == check.figures["allocator"] == "waterwave"
 
 
-def test_full_writes_one_json_with_versions_command_and_verdicts(tmp_path):
-    done = wwrun("doctor", "--full", "--only", "clean-exit", "--out", str(tmp_path / "out"), cwd=tmp_path)
+def test_full_writes_its_json_and_artefacts_outside_the_checkout_by_default(tmp_path):
+    """Without --out, doctor.json goes to a new folder under the system's temporary
+    folder, not into the checkout; each step's line is printed once."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-m", "wwrun", "doctor", "--full", "--only", "clean-exit"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stdout + done.stderr
-    (path,) = (tmp_path / "out").glob("doctor-*.json")
+    (path,) = scratch.glob("wwrun-doctor-*/doctor.json")
     data = json.loads(path.read_text())
-    assert data["device"] == "cpu" and data["torch"] and data["passed"] is True
-    assert data["command"] == f"wwrun doctor --full --only clean-exit --out {tmp_path / 'out'}"
-    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("clean-exit", "pass")]
+    assert data["device"] == "cpu" and data["torch"] and data["passed"] is True and data["complete"] is False
+    assert data["commands"] == ["wwrun doctor --full --only clean-exit"]
+    steps = [(s["name"], s["verdict"], s["allocator"]) for s in data["steps"]]
+    assert steps == [("environment", "pass", None), ("clean-exit", "pass", "waterwave")]
     assert f"results: {path}" in done.stdout
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("✓ clean-exit") for line in lines) == 1  # one table, not two
+    assert "2 passed, 0 failed, 0 skipped" in lines
 
 
-def _step(name, code):
-    return doctor.Step(name, name, lambda device, tmp: [sys.executable, "-c", code])
+def _step(name, code, allocator=None, estimate=1):
+    return doctor.Step(name, name, lambda device, tmp, out: [sys.executable, "-c", code],
+                       allocator=allocator, estimate_s=(estimate, estimate))
 
 
 def test_a_crash_or_a_hang_in_one_step_is_reported_and_the_rest_go_on():
@@ -57,21 +73,155 @@ def test_a_crash_or_a_hang_in_one_step_is_reported_and_the_rest_go_on():
         _step("fails", "import sys; print('partial'); sys.exit('it broke')"),
         _step("passes", "import json; print(json.dumps({'gbps': 1.5}))"),
     ]
-    checks = {c.name: c for c in doctor.full("cpu", steps, step_limit_s=10) if c.name != "environment"}
+    checks = {c.name: c for c in doctor.full("cpu", steps, step_limit_s=10)}
     assert checks["crashes"].verdict == doctor.FAIL and "SIGABRT" in checks["crashes"].detail
     assert checks["hangs"].verdict == doctor.FAIL and checks["hangs"].detail.startswith("hung")
     assert checks["fails"].verdict == doctor.FAIL and "it broke" in checks["fails"].detail
     assert checks["passes"].verdict == doctor.PASS and checks["passes"].figures == {"gbps": 1.5}
 
 
+def test_a_step_whose_figures_name_another_allocator_than_it_claims_fails():
+    """A fallback to PyTorch's allocator must not pass as wwrun's figures."""
+    printing = "import json; print(json.dumps({'ratio': 2.0%s}))"
+    steps = [
+        _step("native", printing % ", 'allocator': 'native'", allocator="waterwave"),
+        _step("unnamed", printing % "", allocator="waterwave"),
+        _step("ours", printing % ", 'allocator': 'waterwave'", allocator="waterwave"),
+        _step("no-allocator", printing % "", allocator=None),
+    ]
+    checks = {c.name: c for c in doctor.full("cpu", steps)}
+    assert checks["native"].verdict == doctor.FAIL and "'native'" in checks["native"].detail
+    assert checks["native"].allocator == "native"
+    assert checks["unnamed"].verdict == doctor.FAIL and "do not say" in checks["unnamed"].detail
+    assert checks["ours"].verdict == doctor.PASS and checks["ours"].allocator == "waterwave"
+    assert checks["no-allocator"].verdict == doctor.PASS and checks["no-allocator"].allocator is None
+
+
+def test_every_step_names_the_allocator_it_measures_and_passes_its_artefacts_out(tmp_path):
+    """Benchmarks and pytest write their files into --out, never into the checkout."""
+    out = tmp_path / "out"
+    for step in doctor.STEPS:
+        for device in ("cpu", "cuda"):
+            command = step.command(device, tmp_path, out)
+            if command is None:
+                continue
+            benchmark = any(arg.startswith(str(doctor._CHECKOUT / "benchmarks")) for arg in command)
+            assert not benchmark or "--out" in command, (step.name, command)
+            for flag in ("--out", "--junitxml"):
+                if flag in command:
+                    assert Path(command[command.index(flag) + 1]).parent == out, (step.name, command)
+        assert step.allocator in ("waterwave", None), step.name
+
+
+def test_figures_in_the_table_are_formatted():
+    summary = doctor._summary({"host_pairs_per_s": 3369303.832402141, "ratio": 0.97123456, "jobs": 40,
+                               "peak_bytes": 3 << 20, "allocator": "waterwave"})
+    assert summary == ": host_pairs_per_s=3.37M, ratio=0.971, jobs=40, peak_bytes=3.0 MiB"
+    waterwave = next(s for s in doctor.STEPS if s.name == "waterwave")
+    figures = {"a_batch_fraction": {"waterwave_2jobs": 1.0}, "b_speedup_vs_sequential": 1.6012,
+               "device": "cpu", "allocator": "waterwave"}
+    assert doctor._summary(figures, waterwave.shown) == ": waterwave_2jobs=1, b_speedup_vs_sequential=1.6"
+
+
+def test_a_pytest_step_s_figures_are_its_counts():
+    assert doctor._pytest_figures("x\n3 passed, 1 skipped, 1 error, 40 deselected in 9.10s\n") == {
+        "passed": 3, "skipped": 1, "errors": 1, "deselected": 40}
+    assert doctor._pytest_figures("no tests ran in 0.01s") is None
+
+
+def test_the_budget_plan_runs_what_fits_and_leaves_the_rest():
+    steps = [_step(name, "", estimate=seconds) for name, seconds in
+             (("a", 300), ("b", 200), ("c", 100), ("d", 30), ("e", 600))]
+    now, later = doctor.plan(steps, "cuda", 540)
+    assert [s.name for s in now] == ["a", "b", "d"] and [s.name for s in later] == ["c", "e"]
+    now, later = doctor.plan(steps, "cuda", 540, measured={"a": 420, "c": 10})
+    assert [s.name for s in now] == ["a", "c", "d"] and [s.name for s in later] == ["b", "e"]
+    now, later = doctor.plan(steps[4:], "cuda", 540)  # longer than the budget: it runs alone
+    assert [s.name for s in now] == ["e"] and later == []
+    cuda = doctor.plan(doctor.STEPS, "cuda", 540)[0]
+    again = doctor.plan([s for s in doctor.STEPS if s not in cuda], "cuda", 540)[0]
+    rest = [s for s in doctor.STEPS if s not in cuda + again]
+    assert rest and sum(doctor.estimate(s, "cuda") for s in rest) <= 540  # three commands
+
+
+def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "STEPS", [
+        _step("one", "import json; print(json.dumps({'n': 1}))", estimate=60),
+        _step("two", "import json; print(json.dumps({'n': 2}))", estimate=60),
+        _step("three", "import json; print(json.dumps({'n': 3}))", estimate=60),
+    ])
+    out = tmp_path / "out"
+    assert doctor.main(["--full", "--budget", "100", "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "left for later: two, three" in printed
+    assert f"wwrun doctor --full --resume {out} --budget 100" in printed
+    data = json.loads((out / "doctor.json").read_text())
+    assert [s["name"] for s in data["steps"]] == ["environment", "one"]
+    assert data["remaining"] == ["two", "three"] and not data["complete"]
+    assert doctor.main(["--resume", str(out), "--budget", "100", "--device", "cpu"]) == 0
+    assert doctor.main(["--resume", str(out), "--budget", "100", "--device", "cpu"]) == 0
+    data = json.loads((out / "doctor.json").read_text())
+    assert [s["name"] for s in data["steps"]] == ["environment", "one", "two", "three"]
+    assert data["complete"] and data["passed"] and data["remaining"] == []
+    assert set(data["durations"]) == {"one", "two", "three"} and len(data["commands"]) == 3
+    assert doctor.main(["--resume", str(out), "--device", "cpu"]) == 0  # nothing left: runs none
+    assert [s["name"] for s in json.loads((out / "doctor.json").read_text())["steps"]][-1] == "three"
+
+
+def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
+    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": []}))
+    with pytest.raises(SystemExit) as exit:
+        doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
+    assert exit.value.code == 2 and "made with another torch" in capsys.readouterr().err
+
+
+_KILLED_DRIVER = """
+import sys
+from wwrun import doctor
+def step(name, code):
+    return doctor.Step(name, name, lambda d, t, o: [sys.executable, "-c", code.format(out=str(o))], allocator=None)
+doctor.STEPS = [
+    step("writes", "import json, pathlib; pathlib.Path({out!r}, 'artefact.txt').write_text('x'); print(json.dumps({{'n': 1}}))"),
+    step("hangs", "import threading; threading.Event().wait()"),
+]
+sys.exit(doctor.main(["--full", "--out", sys.argv[1], "--device", "cpu"]))
+"""
+
+
+def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_DRIVER, str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    path = out / "doctor.json"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:  # until the first step is in the JSON (bounded)
+            if path.is_file() and "writes" in {s["name"] for s in json.loads(path.read_text())["steps"]}:
+                break  # (written whole and renamed into place: never half a file)
+            assert child.poll() is None, child.communicate()
+            time.sleep(0.2)
+        else:
+            pytest.fail("the first step never reached doctor.json within 120 s")
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the doctor and the hanging step
+        child.communicate()
+    data = json.loads(path.read_text())
+    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("writes", "pass")]
+    assert data["remaining"] == ["hangs"] and (out / "artefact.txt").read_text() == "x"
+
+
 def test_steps_without_a_cpu_form_are_skipped_on_the_cpu():
     gpu_only = [s for s in doctor.STEPS if s.name in ("gpu-tests", "cudnn-benchmark")]
     checks = list(doctor.full("cpu", gpu_only))
-    assert [c.verdict for c in checks[1:]] == [doctor.SKIP, doctor.SKIP]
+    assert [c.verdict for c in checks] == [doctor.SKIP, doctor.SKIP]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--only", "kernels"], "--only needs --full"),
+    (["--budget", "540"], "--budget needs --full"),
+    (["--full", "--budget", "0"], "more than 0 seconds"),
+    (["--full", "--budget", "soon"], "not a number of seconds"),
+    (["--resume", "/nonexistent"], "no doctor.json there"),
     (["--full", "--only", "nope"], "invalid choice"),
     (["--frobnicate"], "unrecognized arguments"),
 ])
@@ -87,3 +237,11 @@ def test_out_onto_a_file_is_refused(tmp_path):
     target.write_text("")
     done = wwrun("doctor", "--full", "--only", "clean-exit", "--out", str(target))
     assert done.returncode == 2 and "not a folder" in done.stderr
+
+
+def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
+    monkeypatch.setattr(doctor, "_install_state", lambda: "not installed")
+    check = doctor.check_environment("cpu")
+    assert check.verdict == doctor.PASS and check.figures["install"] == "not installed"
+    assert "pip install --no-index --no-build-isolation --no-deps -e ." in check.advice
+    assert check.advice in doctor.line(check, 12)

@@ -180,9 +180,11 @@ def test_launcher_state_is_untouched_by_jobs(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.fresh_process  # wwrun's allocator installs only before CUDA is initialised
 def test_each_job_runs_on_its_own_cuda_stream(tmp_path):
     result = run(tmp_path, job("s1", "stream.py"), job("s2", "stream.py"), device="cuda")
     assert result.exit_code == 0, log(result, "s1", "stderr")
+    assert result.extra["allocator"] == "waterwave"  # the job streams wwrun's allocator makes
     lines = [log(result, name).strip() for name in ("s1", "s2")]
     streams = {line.split()[0] for line in lines}
     assert len(streams) == 2  # two different streams

@@ -255,6 +255,7 @@ def test_explicit_omp_num_threads_is_left_alone(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.fresh_process  # wwrun's allocator installs only before CUDA is initialised
 def test_on_cuda_each_job_sees_its_own_memory_figures(tmp_path):
     script = str(SCRIPTS / "cuda_memory.py")
     result = run(

@@ -219,6 +219,24 @@ def test_a_cuda_allocator_backend_the_user_asked_torch_for_is_seen(environ, back
     assert torch_backend_requested(environ) == backend
 
 
+def test_the_run_names_the_allocator_that_really_serves_it():
+    """The report's `allocator` is what `allocator.in_use` sees: wwrun's while the
+    run holds it, PyTorch's again once it closed."""
+    from wwrun.memory import Memory, allocator
+
+    memory = Memory("cpu", 64 * MiB, "concurrent")
+    try:
+        assert memory.allocator == allocator.in_use("cpu") == "waterwave"
+        assert memory.run_report()["allocator"] == "waterwave"
+    finally:
+        memory.close()
+    assert allocator.in_use("cpu") == "native"
+    import torch
+
+    if torch.version.cuda is None:  # a CPU build of torch has PyTorch's CUDA allocator alone
+        assert allocator.in_use("cuda") == "native"
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_user_s_cudamallocasync_is_kept_and_reported(tmp_path):
     """PYTORCH_ALLOC_CONF=backend:cudaMallocAsync: the jobs run on PyTorch's
@@ -234,7 +252,7 @@ def test_on_cuda_the_user_s_cudamallocasync_is_kept_and_reported(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "cudaMallocAsync" in done.stderr
     run = json.loads(report.read_text())["run"]
-    assert run["allocator"] == "native"
+    assert run["allocator"] == "cudaMallocAsync"
     assert run["peak_reserved_bytes"] >= run["peak_memory_bytes"] >= 128 * MiB
 
 

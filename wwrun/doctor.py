@@ -4,13 +4,21 @@
                                      # Triton kernels, a two-job memory-flow run
     wwrun doctor --full [--out DIR]  # the whole proof, one subprocess per step
     wwrun doctor --full --only kernels
+    wwrun doctor --full --budget 540 --out DIR   # the steps that fit in 9 minutes
+    wwrun doctor --resume DIR [--budget 540]     # then the steps not yet in DIR
 
 Quick checks run in this process, except what could take the process down (the
 kernels, the launcher run), which runs in a child. Full steps each run in their own
 subprocess with a time limit, so that a crash or a hang in one is reported and the
 rest go on; the figures each step prints last (one JSON object on one line, as every
-benchmark does) are kept. The full run writes one JSON file into DIR and prints a
-table. Exit code 0 only if nothing failed (skipped is not failed).
+benchmark does) are kept, with the allocator they measured: a step whose figures
+name another allocator than the one it claims fails. The full run writes
+DIR/doctor.json after every step (a run killed later keeps the finished ones), its
+steps' artefacts into DIR too, and prints each step's line as it ends. With
+--budget, the steps that fit (by the durations DIR's JSON measured, else by
+estimates) run and the rest are named for --resume, so that a proof longer than a
+machine's command limit is a few commands. Exit code 0 only if nothing failed
+(skipped or remaining is not failed).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +44,10 @@ _MARKS = {PASS: "✓", FAIL: "✗", SKIP: "–"}
 STEP_LIMIT_S = 600
 FULL_LIMIT_S = 25 * 60
 _CHECKOUT = Path(__file__).resolve().parents[1]
+OFFLINE_INSTALL = "pip install --no-index --no-build-isolation --no-deps -e ."
+"""The install that needs no package index (a GPU machine without network): torch and
+wwrun's other dependencies are there already, and the setuptools torch brought
+builds it. Without any install, `python -m wwrun` from the checkout works too."""
 
 
 @dataclasses.dataclass
@@ -47,6 +60,9 @@ class Check:
     advice: str = ""
     seconds: float = 0.0
     figures: dict | list | None = None
+    allocator: str | None = None
+    """The allocator the check measured ('waterwave', 'native', 'cudaMallocAsync');
+    None where it measured none."""
 
 
 # --- what a job of the memory-flow and sweep checks runs -----------------------------
@@ -57,7 +73,7 @@ JOB_SCRIPT = '''\
 import json, sys
 import torch
 
-device, steps, index = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+device, steps, index, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 MAGIC = 0x5757_7275_6E00_0000          # a job's marker word is MAGIC + its index
 torch.manual_seed(index)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
@@ -70,7 +86,7 @@ for _ in range(steps):
     foreign += int(((tags >= 0) & (tags < 1 << 16) & (tags != index)).sum())
     received.fill_(MAGIC + index)
     del received, tags
-    x = torch.randn(512, 256, device=device)
+    x = torch.randn(batch, 256, device=device)
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
@@ -102,16 +118,23 @@ def _last_json(text: str):
     return None
 
 
+# Batch of the job script. On CUDA its activations (~0.5 GiB) outweigh the fixed
+# costs of a job's stream (cuBLAS's workspaces, ~66 MiB on sm_90, kept for good), so
+# a limit of 1.5 peaks holds one job's activations beside the other's fixed costs.
+_BATCH = {"cpu": 512, "cuda": 32768}
+
+
 def _jobs_run(device: str, jobs: int, steps: int, folder: Path, *options: str,
-              timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None, list]:
+              timeout: float = 300, batch: int | None = None) -> tuple[subprocess.CompletedProcess, dict | None, list]:
     """Run `jobs` copies of the job script under wwrun; its report and each job's figures."""
     script = _write_job_script(folder)
+    batch = batch or _BATCH["cuda" if device.startswith("cuda") else "cpu"]
     report = folder / f"report-{time.monotonic_ns()}.json"
     argv = ["--device", device, "--quiet", "--log-dir", str(folder / "logs"), "--report", str(report), *options]
     for index in range(jobs):
         if index:
             argv.append(":")
-        argv += [str(script), device, str(steps), str(index)]
+        argv += [str(script), device, str(steps), str(index), str(batch)]
     done = subprocess.run(_wwrun_command(*argv), capture_output=True, text=True, timeout=timeout,
                           env=_child_env(device), stdin=subprocess.DEVNULL)
     data = json.loads(report.read_text()) if report.is_file() else None
@@ -141,7 +164,24 @@ def check_environment(device: str) -> Check:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else (platform.processor() or platform.machine() or "cpu")
     detail = (f"{device} ({name}), torch {torch.__version__}, CUDA {cuda}, "
               f"Python {platform.python_version()}, {os.cpu_count()} CPU cores")
-    return Check("environment", PASS, detail, figures=_versions(device))
+    install = _install_state()
+    advice = ""
+    if install == "not installed":  # run from a checkout: fine, but no `wwrun` command
+        detail += f"; wwrun not installed, run from {_CHECKOUT}"
+        advice = f"to install it without a package index: cd {_CHECKOUT} && {OFFLINE_INSTALL}"
+    return Check("environment", PASS, detail, advice, figures={**_versions(device), "install": install})
+
+
+def _install_state() -> str:
+    """'installed', 'editable' (pip install -e) or 'not installed' (run from a checkout)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("wwrun")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    return "editable" if direct.get("dir_info", {}).get("editable") else "installed"
 
 
 def _versions(device: str) -> dict:
@@ -228,18 +268,24 @@ def check_memory_flow(device: str) -> Check:
         return Check("memory flow", FAIL, f"two jobs under {_size(limit)}: " + _failure(done),
                      "the engine could not interleave two jobs; rerun with --explain")
     run_peak = report["run"].get("peak_memory_bytes") or 0
+    used = report["run"].get("allocator")
     jobs = {job["name"]: {"peak_memory_bytes": job.get("peak_memory_bytes"),
                           "waited_s": job.get("waited_s"),
                           "memory_allocated": (fig or {}).get("allocated")}
             for job, fig in zip(report["jobs"], figures)}
-    figures_out = {"limit_bytes": limit, "run_peak_bytes": run_peak, "jobs": jobs}
+    figures_out = {"limit_bytes": limit, "run_peak_bytes": run_peak, "jobs": jobs, "allocator": used}
+    if used != "waterwave":
+        return Check("memory flow", FAIL, f"the jobs ran on the {used!r} allocator, not wwrun's",
+                     "the allocator build above says why; PYTORCH_ALLOC_CONF must not ask for a backend",
+                     figures=figures_out, allocator=used)
     if run_peak > limit:
         return Check("memory flow", FAIL, f"run peak {_size(run_peak)} over the limit {_size(limit)}",
-                     "the scheduler let the jobs overrun: report it with the run's --explain", figures=figures_out)
+                     "the scheduler let the jobs overrun: report it with the run's --explain", figures=figures_out,
+                     allocator=used)
     detail = f"2 jobs, each peaking {_size(peak)}, under a {_size(limit)} limit: run peak {_size(run_peak)}"
     if device.startswith("cuda"):
         detail += "; memory_allocated per job: " + ", ".join(_size(j["memory_allocated"] or 0) for j in jobs.values())
-    return Check("memory flow", PASS, detail, figures=figures_out)
+    return Check("memory flow", PASS, detail, figures=figures_out, allocator=used)
 
 
 QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_kernels, check_memory_flow]
@@ -272,39 +318,57 @@ def quick(device: str) -> list[Check]:
 
 @dataclasses.dataclass
 class Step:
-    """A step of `--full`: a command run in a child, and what it needs."""
+    """A step of `--full`: a command run in a child, and what it measures."""
 
     name: str
     what: str
-    command: Callable[[str, Path], list[str] | None]
-    """argv for the device, or None when the step has no form there (then skipped)."""
+    command: Callable[[str, Path, Path], list[str] | None]
+    """argv for the device, given a scratch folder and the folder for the step's
+    artefacts (--out); None when the step has no form there (then skipped)."""
     needs_checkout: bool = False
-    verdict: Callable[[subprocess.CompletedProcess, object], tuple[str, str]] | None = None
-    """(verdict, detail) from the finished child and its last JSON line; default: exit code."""
+    allocator: str | None = "waterwave"
+    """The allocator the step measures. A step whose figures name it (`allocator`)
+    fails when they name another; pytest steps name it from their tests, which
+    assert it themselves; None: the step measures no allocator."""
+    estimate_s: tuple[float | None, float] = (60, 60)
+    """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
+    CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
+    estimates for an H100 (19 minutes in all), never yet measured."""
+    shown: tuple[str, ...] = ()
+    """Figures the table shows (dotted paths into the step's JSON)."""
 
 
-def _pytest(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(_CHECKOUT / "tests"), *args]
+def _pytest(*args: str, file: str | None = None) -> list[str]:
+    """pytest on one test file (else every test), with no cache left behind."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            str(_CHECKOUT / "tests" / file) if file else str(_CHECKOUT / "tests"), *args]
+
+
+def _allocator_tests(device: str) -> str:
+    return "test_allocator_cuda.py" if device.startswith("cuda") else "test_allocator.py"
 
 
 def _bench(name: str, *args: str) -> list[str]:
     return [sys.executable, str(_CHECKOUT / "benchmarks" / name), *args]
 
 
-def _cuda_only(build: Callable[[str, Path], list[str]]) -> Callable[[str, Path], list[str] | None]:
-    return lambda device, tmp: build(device, tmp) if device.startswith("cuda") else None
+def _cuda_only(build: Callable[[str, Path, Path], list[str]]) -> Callable[[str, Path, Path], list[str] | None]:
+    return lambda device, tmp, out: build(device, tmp, out) if device.startswith("cuda") else None
 
 
-def _sweep_command(device: str, tmp: Path) -> list[str]:
-    code = ("import sys; from wwrun.doctor import sweep; "
-            f"sys.exit(sweep({device!r}, {str(tmp)!r}))")
-    return [sys.executable, "-c", code]
+def _in_child(function: str) -> Callable[[str, Path, Path], list[str]]:
+    """A doctor function run in the step's child: f(device, scratch folder) -> exit code."""
+    def command(device: str, tmp: Path, out: Path) -> list[str]:
+        code = f"import sys; from wwrun.doctor import {function}; sys.exit({function}({device!r}, {str(tmp)!r}))"
+        return [sys.executable, "-c", code]
+    return command
 
 
 def sweep(device: str, folder: str, jobs: int = 40) -> int:
     """40 jobs of a sweep through the queue: each reports its own figures, and no job
     finds another job's marker words in the memory it receives."""
-    done, report, figures = _jobs_run(device, jobs, 5, Path(folder), "--max-concurrent", "4", timeout=STEP_LIMIT_S)
+    done, report, figures = _jobs_run(device, jobs, 5, Path(folder), "--max-concurrent", "4", timeout=STEP_LIMIT_S,
+                                      batch=_BATCH["cpu"])  # many small jobs
     if not report:
         print(json.dumps({"error": _failure(done)}))
         return 1
@@ -312,53 +376,99 @@ def sweep(device: str, folder: str, jobs: int = 40) -> int:
     foreign = sum((fig or {}).get("foreign_marker_words", 0) for fig in figures)
     attributed = sum(1 for job in report["jobs"] if (job.get("peak_memory_bytes") or 0) > 0)
     print(json.dumps({"jobs": jobs, "succeeded": succeeded, "with_own_peak": attributed,
-                      "foreign_marker_words": foreign}))
+                      "foreign_marker_words": foreign, "allocator": report["run"].get("allocator")}))
     return 0 if succeeded == jobs and foreign == 0 else 1
 
 
-def _exit_command(device: str, tmp: Path) -> list[str]:
-    script = _write_job_script(tmp)
-    return _wwrun_command("--device", device, "--quiet", "--log-dir", str(tmp / "logs"),
-                          str(script), device, "3", "0", ":", str(script), device, "3", "1")
+_TEARDOWN_NOISE = ("terminate called", "CUDA error", "Segmentation fault", "Exception ignored")
 
 
-def _clean_exit(done: subprocess.CompletedProcess, _figures) -> tuple[str, str]:
-    noise = [w for w in ("terminate called", "CUDA error", "Segmentation fault", "Exception ignored")
-             if w in done.stderr]
+def clean_exit(device: str, folder: str) -> int:
+    """Two jobs under wwrun: the process exits 0 with nothing on stderr about teardown."""
+    done, report, _ = _jobs_run(device, 2, 3, Path(folder))
+    noise = [w for w in _TEARDOWN_NOISE if w in done.stderr]
+    print(json.dumps({"exit_code": done.returncode, "teardown_noise": noise,
+                      "allocator": (report or {}).get("run", {}).get("allocator")}))
     if done.returncode != 0 or noise:
-        return FAIL, f"exit code {done.returncode}" + (f", stderr has {noise}" if noise else "")
-    return PASS, "two jobs ran and the process exited 0 with nothing on stderr about teardown"
+        print(f"wwrun exited with {done.returncode}" + (f", stderr has {noise}" if noise else ""), file=sys.stderr)
+        return 1
+    return 0
 
 
 STEPS: list[Step] = [
-    Step("gpu-tests", "the GPU tests (pytest -m gpu)", _cuda_only(lambda d, t: _pytest("-m", "gpu")), True),
+    Step("gpu-tests", "the GPU tests (pytest -m gpu)",
+         _cuda_only(lambda d, t, o: _pytest("-m", "gpu", "--junitxml", str(o / "gpu-tests.xml"))), True,
+         estimate_s=(None, 240)),
     Step("allocator", "allocator vs PyTorch's native and cudaMallocAsync allocators; host pairs/s",
-         lambda d, t: _bench("allocator.py", "--repeats", "10"), True),
+         lambda d, t, o: _bench("allocator.py", "--repeats", "10", "--out", str(o / "allocator_gpu.json")), True,
+         estimate_s=(20, 150),
+         shown=("host_pairs_per_s", "cpu_routing_ratio", "gpu.latency_ratio",
+                "gpu.alternating_peak_reserved_ratio", "gpu.two_job_throughput_ratio")),
     Step("waterwave", "the paper's experiments through the launcher",
-         lambda d, t: _bench("waterwave.py", "--device", "cuda") if d.startswith("cuda")
-         else _bench("waterwave.py", "--quick"), True),
+         lambda d, t, o: _bench("waterwave.py", *(("--device", "cuda") if d.startswith("cuda") else ("--quick",)),
+                                "--out", str(o / f"waterwave-{'cuda' if d.startswith('cuda') else 'cpu'}.json")), True,
+         estimate_s=(240, 420),
+         shown=("a_batch_fraction.waterwave_2jobs", "b_speedup_vs_sequential", "b_speedup_vs_processes",
+                "b_waterwave_peak_over_budget", "d_single_job_overhead_small")),
     Step("rule-f", "a job waits for another's frees instead of running out of memory",
-         lambda d, t: _pytest("-k", "rule_f", str(_CHECKOUT / "tests" / (
-             "test_allocator_cuda.py" if d.startswith("cuda") else "test_allocator.py"))), True),
+         lambda d, t, o: _pytest("-k", "rule_f", file=_allocator_tests(d)), True, estimate_s=(15, 30)),
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
-         _cuda_only(lambda d, t: _pytest("-k", "cudnn", str(_CHECKOUT / "tests" / "test_allocator_cuda.py"))), True),
-    Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _sweep_command),
+         _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", file="test_allocator_cuda.py")), True,
+         estimate_s=(None, 30)),
+    Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _in_child("sweep"),
+         estimate_s=(30, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
     Step("scrub", "bytes a job freed read as zero by the next owner",
-         lambda d, t: _pytest("-k", "scrub or never_reads", str(_CHECKOUT / "tests" / (
-             "test_allocator_cuda.py" if d.startswith("cuda") else "test_allocator.py"))), True),
+         lambda d, t, o: _pytest("-k", "scrub or never_reads", file=_allocator_tests(d)), True, estimate_s=(15, 30)),
     Step("kernels", "Triton pack/unpack/zero against copy, torch.cat, _foreach_*, pinned copies",
-         lambda d, t: _bench("kernels.py"), True),
-    Step("clean-exit", "the process exits cleanly (no terminate, no CUDA error at teardown)", _exit_command,
-         verdict=_clean_exit),
+         lambda d, t, o: _bench("kernels.py", "--out", str(o / "kernels.json")), True, allocator=None,
+         estimate_s=(45, 90), shown=("ratios.pack_large_vs_d2d_copy", "ratios.pack_small_vs_copy_loop",
+                                     "ratios.zero_large_vs_foreach_zero")),
+    Step("clean-exit", "the process exits cleanly (no terminate, no CUDA error at teardown)", _in_child("clean_exit"),
+         estimate_s=(15, 30)),
 ]
 
 
-def run_step(step: Step, device: str, limit_s: float) -> Check:
-    """Run one step in a child with a time limit; a crash or a hang is its verdict alone."""
+def estimate(step: Step, device: str, measured: dict[str, float] | None = None) -> float:
+    """Seconds the step is expected to take: as measured before (the JSON's
+    `durations`), else its estimate for the device; 0 where it has no form."""
+    if measured and step.name in measured:
+        return measured[step.name]
+    return step.estimate_s[device.startswith("cuda")] or 0.0
+
+
+def plan(steps: list[Step], device: str, budget_s: float,
+         measured: dict[str, float] | None = None) -> tuple[list[Step], list[Step]]:
+    """(the steps to run now, the steps that remain): in order, each step whose
+    estimate fits in what the budget has left. The first step always runs, so that
+    every command makes progress, even with a step longer than the budget."""
+    now, later, left = [], [], budget_s
+    for step in steps:
+        need = estimate(step, device, measured)
+        if need <= left or not now:
+            now.append(step)
+            left -= need
+        else:
+            later.append(step)
+    return now, later
+
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def _pytest_figures(stdout: str) -> dict | None:
+    """The counts of pytest -q's last line ('3 passed, 1 skipped in 9.1s')."""
+    found = {{"error": "errors"}.get(kind, kind): int(n) for n, kind in _PYTEST_COUNT.findall(_last_line(stdout))}
+    return found or None
+
+
+def run_step(step: Step, device: str, limit_s: float, out: Path) -> Check:
+    """Run one step in a child with a time limit; a crash or a hang is its verdict alone.
+    Its artefacts go to `out`; a step stopped at the time limit says so in its detail."""
     if step.needs_checkout and not (_CHECKOUT / "tests").is_dir():
-        return Check(step.name, SKIP, "needs a checkout of wwrun (tests/ and benchmarks/)")
+        return Check(step.name, SKIP, "needs a checkout of wwrun (tests/ and benchmarks/)",
+                     "clone it and run `python -m wwrun doctor --full` from there (no install needed)")
     with tempfile.TemporaryDirectory(prefix=f"wwrun-doctor-{step.name}-") as tmp:
-        command = step.command(device, Path(tmp))
+        command = step.command(device, Path(tmp), out)
         if command is None:
             return Check(step.name, SKIP, f"no form on {device}: {step.what}")
         start = time.monotonic()
@@ -371,69 +481,119 @@ def run_step(step: Step, device: str, limit_s: float) -> Check:
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.communicate()
-            return Check(step.name, FAIL, f"hung: killed after {limit_s:.0f} s",
+            return Check(step.name, FAIL, f"{_HUNG} {limit_s:.0f} s",
                          f"rerun it alone: wwrun doctor --full --only {step.name}",
                          seconds=round(time.monotonic() - start, 2))
         seconds = round(time.monotonic() - start, 2)
-        done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
-    figures = _last_json(done.stdout)
-    if step.verdict is not None:
-        verdict, detail = step.verdict(done, figures)
-    elif done.returncode == 0:
-        verdict, detail = PASS, step.what + _summary(figures)
-    else:
+    done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+    is_pytest = command[1:3] == ["-m", "pytest"]  # its tests check their allocator themselves
+    figures = _pytest_figures(stdout) if is_pytest else _last_json(stdout)
+    figures = figures if isinstance(figures, (dict, list)) else None
+    measured = (figures or {}).get("allocator") if isinstance(figures, dict) else None
+    allocator = step.allocator if is_pytest else measured
+    if done.returncode != 0:
         verdict, detail = FAIL, _failure(done)
+    elif step.allocator and not is_pytest and measured != step.allocator:
+        # Figures of another allocator than the one claimed are worse than none.
+        verdict = FAIL
+        detail = (f"measured the {measured!r} allocator, not {step.allocator!r}" if measured
+                  else f"its figures do not say which allocator they measured (expected {step.allocator!r})")
+    else:
+        verdict, detail = PASS, step.what + _summary(figures, step.shown)
     advice = f"rerun it alone: wwrun doctor --full --only {step.name}" if verdict == FAIL else ""
-    return Check(step.name, verdict, detail, advice, seconds, figures if isinstance(figures, (dict, list)) else None)
+    return Check(step.name, verdict, detail, advice, seconds, figures, allocator)
+
+
+OUT_OF_TIME = "out of time"
+_HUNG = "hung: killed after"
 
 
 def full(device: str, steps: list[Step] | None = None, budget_s: float = FULL_LIMIT_S,
-         step_limit_s: float = STEP_LIMIT_S) -> Iterator[Check]:
-    """Each step's check as it ends (the environment first)."""
-    yield check_environment(device)
+         step_limit_s: float = STEP_LIMIT_S, out: Path | None = None) -> Iterator[Check]:
+    """Each step's check as it ends, its artefacts in `out` (default: a scratch
+    folder). Steps the budget leaves no time for are skipped as OUT_OF_TIME: those
+    that would start with less than 10 s left, and those it stops (the first step
+    excepted: a step longer than the whole budget fails, as a hang does)."""
     deadline = time.monotonic() + budget_s
-    for step in steps if steps is not None else STEPS:
+    for number, step in enumerate(steps if steps is not None else STEPS):
         left = deadline - time.monotonic()
         if left < 10:
-            yield Check(step.name, SKIP, f"out of time (the full proof is capped at {budget_s / 60:.0f} min)")
+            yield Check(step.name, SKIP, f"{OUT_OF_TIME} (the budget is {budget_s:.0f} s)")
             continue
-        yield run_step(step, device, min(step_limit_s, left))
+        limit = min(step_limit_s, left)
+        with tempfile.TemporaryDirectory(prefix="wwrun-doctor-out-") as scratch:
+            check = run_step(step, device, limit, out or Path(scratch))
+        if number and limit < step_limit_s and check.verdict == FAIL and check.detail.startswith(_HUNG):
+            check = Check(step.name, SKIP, f"{OUT_OF_TIME}: stopped at the end of the budget after "
+                          f"{check.seconds:.0f} s", seconds=check.seconds)
+        yield check
 
 
 # --- output ----------------------------------------------------------------------------
 
 
-def table(checks: list[Check]) -> str:
-    width = max(len(c.name) for c in checks)
-    lines = []
-    for c in checks:
-        lines.append(f"{_MARKS[c.verdict]} {c.name:<{width}}  {c.detail}" + (f"  ({c.seconds:.0f} s)" if c.seconds >= 1 else ""))
-        if c.verdict == FAIL and c.advice:
-            lines.append(f"  {'':<{width}}  → {c.advice}")
+def line(c: Check, width: int) -> str:
+    """A check's line in the table (and its advice below it)."""
+    text = f"{_MARKS[c.verdict]} {c.name:<{width}}  {c.detail}" + (f"  ({c.seconds:.0f} s)" if c.seconds >= 1 else "")
+    if c.advice:
+        text += f"\n  {'':<{width}}  → {c.advice}"
+    return text
+
+
+def counts(checks: list[Check]) -> str:
     failed = sum(c.verdict == FAIL for c in checks)
     skipped = sum(c.verdict == SKIP for c in checks)
-    lines.append(f"{len(checks) - failed - skipped} passed, {failed} failed, {skipped} skipped")
-    return "\n".join(lines)
+    return f"{len(checks) - failed - skipped} passed, {failed} failed, {skipped} skipped"
 
 
-def write_json(checks: list[Check], device: str, command: str, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    figures = _versions(device)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    slug = "".join(ch if ch.isalnum() else "_" for ch in figures.get("device_name", device).lower()).strip("_")
-    path = out / f"doctor-{slug}-{stamp}.json"
-    data = {**figures, "command": command, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "passed": not any(c.verdict == FAIL for c in checks),
-            "steps": [dataclasses.asdict(c) for c in checks]}
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    return path
+def table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    return "\n".join([*(line(c, width) for c in checks), counts(checks)])
 
 
-def _summary(figures) -> str:
-    """A step's scalar figures, briefly, for the table (the JSON keeps them all)."""
+RESULTS_FILE = "doctor.json"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Written whole and renamed into place: a run killed mid-write leaves the last one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def _figure(key: str, value) -> str:
+    """A figure as the table shows it: bytes in binary units, large numbers in k/M,
+    others to 3 significant digits."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("bytes"):
+        return _size(value)
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    if abs(value) >= 1e4:
+        return f"{value / 1e3:.3g}k"
+    return str(value) if isinstance(value, int) else f"{value:.3g}"
+
+
+def _lookup(figures: dict, path: str):
+    for part in path.split("."):
+        if not isinstance(figures, dict) or part not in figures:
+            return None
+        figures = figures[part]
+    return figures
+
+
+def _summary(figures, shown: tuple[str, ...] = ()) -> str:
+    """A step's figures, briefly, for the table (the JSON keeps them all): those the
+    step names, else its first scalars."""
     if not isinstance(figures, dict):
         return ""
-    scalars = [f"{k}={v}" for k, v in figures.items() if isinstance(v, (int, float, str)) and len(str(v)) < 24]
+    if shown:
+        pairs = [(path.rsplit(".", 1)[-1], _lookup(figures, path)) for path in shown]
+    else:
+        pairs = list(figures.items())
+    scalars = [f"{k}={_figure(k, v)}" for k, v in pairs
+               if isinstance(v, (int, float, str)) and k != "allocator" and len(str(v)) < 24]
     return f": {', '.join(scalars[:5])}" if scalars else ""
 
 
@@ -462,16 +622,43 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="wwrun doctor", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="wwrun doctor", description=__doc__.splitlines()[0],
+                     epilog=f"Offline (no package index): {OFFLINE_INSTALL}, or `python -m wwrun doctor` "
+                            "from the checkout without installing.")
     parser.add_argument("--full", action="store_true", help="the whole proof, one subprocess per step")
-    parser.add_argument("--out", type=Path, help="folder for --full's JSON (default: benchmarks/results/ "
-                        "of the checkout, else the current folder)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="folder for --full's doctor.json and every artefact "
+                        "of its steps (default: a new folder in the system's temporary folder)")
     parser.add_argument("--only", choices=[s.name for s in STEPS], help="with --full: run this step alone")
+    parser.add_argument("--budget", type=_seconds, metavar="SECONDS",
+                        help="with --full: run the steps that fit in SECONDS (by their measured or "
+                             "estimated durations) and name the rest, for --resume")
+    parser.add_argument("--resume", type=Path, metavar="DIR",
+                        help="go on with the --full run whose doctor.json is in DIR: only the steps "
+                             "not yet in it (implies --full and --out DIR)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
-    if args.only and not args.full:
-        parser.error("--only needs --full")
+    if args.resume is not None:
+        if args.out is not None and args.out.resolve() != args.resume.resolve():
+            parser.error("--resume DIR writes into DIR: leave out --out")
+        if not (args.resume / RESULTS_FILE).is_file():
+            parser.error(f"--resume {args.resume}: no {RESULTS_FILE} there to go on from")
+        args.full, args.out = True, args.resume
+    for flag in ("only", "budget"):
+        if getattr(args, flag) is not None and not args.full:
+            parser.error(f"--{flag} needs --full")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: not a folder")
     import torch
 
     device = args.device
@@ -484,16 +671,61 @@ def main(argv: list[str] | None = None) -> int:
         checks = quick(device)
         print(table(checks))
         return 1 if any(c.verdict == FAIL for c in checks) else 0
-    out = args.out or (_CHECKOUT / "benchmarks" / "results" if (_CHECKOUT / "benchmarks").is_dir() else Path.cwd())
-    if out.exists() and not out.is_dir():
-        parser.error(f"--out {out}: not a folder")
-    steps = [s for s in STEPS if s.name == args.only] if args.only else None
-    checks = []
-    for check in full(device, steps):
-        checks.append(check)
-        print(table([check]).splitlines()[0], flush=True)
-    path = write_json(checks, device, command, out)
-    print()
-    print(table(checks))
+
+    out = args.out
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path(tempfile.mkdtemp(prefix=f"wwrun-doctor-{stamp}-"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    environment = check_environment(device)
+    data = {**_versions(device), "commands": [], "date": None, "passed": True, "complete": False,
+            "durations": {}, "remaining": [], "steps": [dataclasses.asdict(environment)]}
+    if args.resume is not None:
+        try:
+            data = json.loads(path.read_text())
+            mismatch = [k for k in ("device", "device_name", "torch") if data.get(k) != environment.figures.get(k)]
+        except (ValueError, AttributeError):
+            parser.error(f"--resume {args.resume}: {RESULTS_FILE} is not a doctor's JSON")
+        if mismatch:
+            parser.error(f"--resume {args.resume}: made with another {', '.join(mismatch)} "
+                         f"({', '.join(str(data.get(k)) for k in mismatch)}); start a new --out")
+    done = {s["name"] for s in data["steps"]}
+    steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in done]
+    later: list[Step] = []
+    budget = args.budget or FULL_LIMIT_S
+    if args.budget is not None:
+        steps, later = plan(steps, device, args.budget, data["durations"])
+    data["commands"].append(command)
+
+    def save(checks_so_far: list[Check]) -> None:
+        names = {c.name for c in checks_so_far}
+        data["remaining"] = [s.name for s in STEPS if s.name not in done | names]
+        data["complete"] = not data["remaining"]
+        data["passed"] = not any(s["verdict"] == FAIL for s in data["steps"])
+        data["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        write_json(path, data)
+
+    print(f"results: {path}")
+    width = max(len(s.name) for s in STEPS)
+    if args.resume is None:
+        print(line(environment, width), flush=True)
+    if later:
+        print(f"within {budget:.0f} s: {', '.join(s.name for s in steps) or 'none'}; "
+              f"left for later: {', '.join(s.name for s in later)}", flush=True)
+    save([])
+    checks = [environment] if args.resume is None else []
+    for check in full(device, steps, budget_s=budget, out=out):
+        if check.seconds:  # also a step the budget stopped: it takes at least that long
+            data["durations"][check.name] = check.seconds
+        if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
+            checks.append(check)
+            data["steps"].append(dataclasses.asdict(check))
+        save(checks)  # after every step: a run killed later keeps this one
+        print(line(check, width), flush=True)
+    print(counts(checks))
+    if data["remaining"]:
+        print(f"remaining: {', '.join(data['remaining'])}; go on with: "
+              f"wwrun doctor --full --resume {out}" + (f" --budget {args.budget:g}" if args.budget else ""))
     print(f"results: {path}")
     return 1 if any(c.verdict == FAIL for c in checks) else 0

@@ -147,7 +147,7 @@ class Runner:
             note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
             jobs_at_once=self.concurrency,
         )
-        if self.memory.allocator == "native":
+        if self.memory.allocator != "waterwave":
             try:
                 refuse_job_memory_limits(config, "under PyTorch's allocator")
             except ConfigError:

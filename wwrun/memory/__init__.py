@@ -149,8 +149,9 @@ class Memory:
         return host_total()
 
     def _install(self, limit) -> str:
-        """wwrun's allocator for the run ('waterwave'), or PyTorch's ('native') when it
-        cannot be had, said once."""
+        """wwrun's allocator for the run, or PyTorch's when it cannot be had (said
+        once); the allocator that then serves the jobs, as `allocator.in_use`
+        names it ('waterwave', 'native', 'cudaMallocAsync'), for the report."""
         from wwrun.config import resolve_size
         from wwrun.memory import allocator
 
@@ -158,7 +159,7 @@ class Memory:
         if requested:
             self._note(f"PyTorch's allocator configuration asks for its {requested} backend: "
                        "the jobs use it, not wwrun's memory-flow allocator")
-            return "native"
+            return allocator.in_use(self.device)
         try:
             if self.device == "cuda":
                 allocator.install()
@@ -167,8 +168,7 @@ class Memory:
                 allocator.install_cpu_allocator(capacity)
         except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
             self._note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
-            return "native"
-        return "waterwave"
+        return allocator.in_use(self.device)
 
     def _limit(self, limit) -> int | None:
         """The bytes the run may use, enforced by the allocator and planned for by the
@@ -199,6 +199,12 @@ class Memory:
             raise ConfigError("memory_limit", f"{format_size(bytes_)} leaves nothing for {self.jobs_at_once} "
                               f"job(s) at once once their streams' cuBLAS workspaces "
                               f"({format_size(self.fixed_bytes)}) are held")
+        if torch.cuda.is_initialized():  # (after device_capacity's warm-up, always on a GPU)
+            # The run starts from what is live: the CUDA allocator lives as long as the
+            # process, and an earlier in-process run (wwrun.launch in a benchmark) left
+            # its cached segments and peaks, which are not this run's.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
             torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_ / total))
         return bytes_

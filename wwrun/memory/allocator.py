@@ -45,6 +45,7 @@ __all__ = [
     "cpu_unregister_job",
     "device_capacity",
     "install",
+    "in_use",
     "install_cpu_allocator",
     "is_cpu_allocator_installed",
     "is_installed",
@@ -428,6 +429,20 @@ def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]
 
 def is_job_thread() -> bool:
     return any(module.is_job_thread() for module in _loaded_modules(load_host=False))
+
+
+def in_use(device: str = "cuda") -> str:
+    """The allocator that serves `device`'s tensors in this process now:
+    'waterwave' (ours), 'native' (PyTorch's caching allocator) or, on CUDA, the
+    backend PyTorch was configured with ('cudaMallocAsync'). The one answer to
+    which allocator a run or a benchmark measured: on CUDA it is the name of
+    the allocator torch itself calls, so a fallback cannot go unseen."""
+    if torch.device(device).type != "cuda":
+        return "waterwave" if is_cpu_allocator_installed() else "native"
+    if torch.version.cuda is None:
+        return "native"
+    backend = torch.cuda.get_allocator_backend()  # reads the installed allocator's name; no CUDA init
+    return "waterwave" if backend == "wwrun" else backend
 
 
 # --------------------------------------------------------------------------
