@@ -375,3 +375,72 @@ def test_conflicting_process_wide_settings_are_named_once(tmp_path):
     assert "torch.set_float32_matmul_precision" in warnings[0]
     for name, value in (("settings", "high"), ("settings-2", "highest")):
         assert f"{name}='{value}'" in warnings[0]
+
+
+def _as_job(name: str, cwd: Path, watch, body) -> None:
+    """Run `body` in a thread that is job `name` (its own folder), as the launcher would."""
+    import io
+    import threading
+
+    from wwrun import isolation
+
+    isolation.install()
+    context = isolation.JobContext(
+        name=name, argv=["x"], environ={}, cwd=str(cwd), local_roots=[],
+        stdout=io.StringIO(), stderr=io.StringIO(), stdout_fd=-1, stderr_fd=-1, writes=watch,
+    )
+    failure = []
+
+    def target():
+        isolation.enter(context)
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            failure.append(exc)
+        finally:
+            isolation.leave()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"job {name} did not end within 60 s"
+    assert not failure, failure
+
+
+def test_two_jobs_writing_one_path_are_named_whatever_opens_it(tmp_path):
+    import numpy as np
+    import torch
+
+    from wwrun.isolation import WriteWatch
+
+    said = []
+    watch = WriteWatch(on_collision=lambda path, jobs: said.append((path, jobs)))
+    shared, own_a, own_b = tmp_path / "shared", tmp_path / "a", tmp_path / "b"
+    for folder in (shared, own_a, own_b):
+        folder.mkdir()
+
+    def writes():
+        with open("text.txt", "w") as f:  # relative: the job's own folder decides
+            f.write("x")
+        Path("path.txt").write_text("x")
+        np.save("array.npy", np.zeros(2))
+        torch.save({"w": torch.zeros(2)}, "ckpt.pt")  # opened from C++
+        os.close(os.open("raw.bin", os.O_WRONLY | os.O_CREAT))
+        with open("results.csv", "a") as f:  # appends are deliberate: not a collision
+            f.write("x\n")
+        with open("text.txt") as f:  # reads neither
+            f.read()
+
+    for name in ("a", "b"):
+        _as_job(name, shared, watch, writes)
+    names = ["text.txt", "path.txt", "array.npy", "ckpt.pt", "raw.bin"]
+    assert said == [(str(shared / name), ["a", "b"]) for name in names]
+    # A third job writing there joins the record; the live warning was said once per path.
+    _as_job("c", shared, watch, writes)
+    assert watch.collisions[str(shared / "ckpt.pt")] == ["a", "b", "c"]
+    assert len(said) == len(names)
+    # The same relative names in each job's own folder, or another run's watch: apart.
+    apart = WriteWatch()
+    _as_job("a", own_a, apart, writes)
+    _as_job("b", own_b, apart, writes)
+    assert apart.collisions == {}
