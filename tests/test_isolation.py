@@ -444,3 +444,34 @@ def test_two_jobs_writing_one_path_are_named_whatever_opens_it(tmp_path):
     _as_job("a", own_a, apart, writes)
     _as_job("b", own_b, apart, writes)
     assert apart.collisions == {}
+
+
+def test_a_sweep_writing_one_checkpoint_is_warned_and_job_placeholders_write_apart(tmp_path):
+    """Two jobs saving `ckpt.pt` in one folder keep one file: said live, in the summary
+    and in the report. `{job}` (the job's name) in args or cwd keeps them apart."""
+    script = str(SCRIPTS / "save.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), "--report", str(tmp_path / "r.json"),
+         script, "ckpt.pt", "a", ":", script, "ckpt.pt", "b"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    said = f"jobs save and save-2 both write {tmp_path / 'ckpt.pt'}"
+    live, summary = done.stderr.split("wwrun run ", 1)
+    assert said in live and said in summary, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())["run"]
+    assert report["write_collisions"] == [{"path": str(tmp_path / "ckpt.pt"), "jobs": ["save", "save-2"]}]
+
+    result = run(
+        tmp_path,
+        job("a", "save.py", "{job}.pt", "{job}", cwd=str(tmp_path)),
+        job("b", "save.py", "{job}.pt", "{job}", cwd=str(tmp_path)),
+        job("c", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
+        job("d", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
+    )
+    assert result.exit_code == 0 and "write_collisions" not in result.extra, result.to_dict()
+    import torch
+
+    for name, path in (("a", "a.pt"), ("b", "b.pt"), ("c", "runs/c/ckpt.pt"), ("d", "runs/d/ckpt.pt")):
+        assert torch.load(tmp_path / path) == {"job": name}
+    assert [j.args for j in result.jobs][:1] == [["a.pt", "a"]]  # the report shows what ran

@@ -45,7 +45,6 @@ import builtins
 import collections.abc
 import ctypes
 import errno
-import functools
 import gc
 import importlib._bootstrap
 import importlib.abc
@@ -913,7 +912,11 @@ class WriteWatch:
 
 
 def _note_write(path) -> None:
-    """Note `path` (as given to an open) for the calling job, if it is watched."""
+    """Note `path` (as given to an open) for the calling job, if it is watched.
+
+    Called inside whatever opens the file, maybe under that library's own lock
+    (`tempfile.gettempdir` probes with `os.open` holding one): this calls nothing
+    that could open a file or take a lock but the watch's own."""
     job = current_job()
     if job is None or job.writes is None or os.getpid() != _LAUNCHER_PID:
         return
@@ -930,11 +933,12 @@ def _shared_by_design(path: str) -> bool:
     caches libraries keep for the whole machine (~/.cache, torch's compiled kernels)."""
     if path.startswith(("/dev/", "/proc/", "/sys/")) or path.endswith(".lock"):
         return True
-    return any(path.startswith(folder) for folder in _cache_folders())
+    return path.startswith(_cache_folders)
 
 
-@functools.cache
-def _cache_folders() -> tuple[str, ...]:
+def _find_cache_folders() -> tuple[str, ...]:
+    """Found once, at install, from the launcher: finding the temporary folder opens
+    files under tempfile's lock, which an open noted from a job must never take."""
     import getpass
     import tempfile
 
@@ -947,6 +951,9 @@ def _cache_folders() -> tuple[str, ...]:
     folders = [home_cache, os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")]
     folders += [env[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if env.get(name)]
     return tuple(os.path.join(os.path.abspath(f), "") for f in folders)
+
+
+_cache_folders: tuple[str, ...] = ()
 
 
 def _writes(mode: str) -> bool:
@@ -1148,6 +1155,8 @@ def _patch_functions() -> None:
     signal.getsignal = _signal_getsignal
     os._exit = _os_exit
     os.close = _os_close
+    global _cache_folders
+    _cache_folders = _find_cache_folders()
     builtins.open = io.open = _open
     os.open = _os_open
     importlib._bootstrap._find_and_load = _find_and_load

@@ -109,14 +109,18 @@ class _PerJobBars:
     def __init__(self, shared):
         self._shared = shared
         self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+        # Reentrant: a collection inside may close an abandoned bar, which removes it.
+        self._lock = threading.RLock()
 
     def _target(self):
         job = isolation.current_job()
         if job is None:
             return self._shared
-        with self._lock:
-            return self._by_job.setdefault(job, weakref.WeakSet())
+        bars = self._by_job.get(job)
+        if bars is None:
+            with self._lock:
+                bars = self._by_job.setdefault(job, weakref.WeakSet())
+        return bars
 
     def _all(self) -> list:
         with self._lock:

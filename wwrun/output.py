@@ -265,6 +265,10 @@ def show_run(run: str | None = None, log_root: str = "wwrun_logs", file=None) ->
             print(f"  {'':<{width}}  last: {job['last_lines'][-1]}", file=out)
     if info.get("root_cause"):
         print(f"root cause: {info['root_cause']} (exit code {info['exit_code']})", file=out)
+    from wwrun.display import write_collision
+
+    for clash in info.get("write_collisions", ()):
+        print(f"warning: {write_collision(clash['path'], clash['jobs'])}", file=out)
     return 0
 
 
