@@ -26,6 +26,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     threads            inherit the job of their starter   patched `threading.Thread.start`
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
                        initialized module across jobs)
+    files written      noted per run: two jobs writing    patched `open`, `os.open`, torch.save's
+                       one path are named (`WriteWatch`)  zip writer
 
 Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
 `sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
