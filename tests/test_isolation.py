@@ -475,3 +475,13 @@ def test_a_sweep_writing_one_checkpoint_is_warned_and_job_placeholders_write_apa
     for name, path in (("a", "a.pt"), ("b", "b.pt"), ("c", "runs/c/ckpt.pt"), ("d", "runs/d/ckpt.pt")):
         assert torch.load(tmp_path / path) == {"job": name}
     assert [j.args for j in result.jobs][:1] == [["a.pt", "a"]]  # the report shows what ran
+
+
+def test_an_open_noted_under_a_librarys_lock_takes_no_other_lock(tmp_path):
+    """tempfile probes the temporary folder with os.open under its own lock; noting that
+    write once asked tempfile for the folder again and the job hung forever."""
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "tempdir.py")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0 and "tempdir /" in done.stdout, done.stderr
