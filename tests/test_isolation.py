@@ -377,3 +377,113 @@ def test_conflicting_process_wide_settings_are_named_once(tmp_path):
     assert "torch.set_float32_matmul_precision" in warnings[0]
     for name, value in (("settings", "high"), ("settings-2", "highest")):
         assert f"{name}='{value}'" in warnings[0]
+
+
+def _as_job(name: str, cwd: Path, watch, body) -> None:
+    """Run `body` in a thread that is job `name` (its own folder), as the launcher would."""
+    import io
+    import threading
+
+    from wwrun import isolation
+
+    isolation.install()
+    context = isolation.JobContext(
+        name=name, argv=["x"], environ={}, cwd=str(cwd), local_roots=[],
+        stdout=io.StringIO(), stderr=io.StringIO(), stdout_fd=-1, stderr_fd=-1, writes=watch,
+    )
+    failure = []
+
+    def target():
+        isolation.enter(context)
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            failure.append(exc)
+        finally:
+            isolation.leave()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"job {name} did not end within 60 s"
+    assert not failure, failure
+
+
+def test_two_jobs_writing_one_path_are_named_whatever_opens_it(tmp_path):
+    import numpy as np
+    import torch
+
+    from wwrun.isolation import WriteWatch
+
+    said = []
+    watch = WriteWatch(on_collision=lambda path, jobs: said.append((path, jobs)))
+    shared, own_a, own_b = tmp_path / "shared", tmp_path / "a", tmp_path / "b"
+    for folder in (shared, own_a, own_b):
+        folder.mkdir()
+
+    def writes():
+        with open("text.txt", "w") as f:  # relative: the job's own folder decides
+            f.write("x")
+        Path("path.txt").write_text("x")
+        np.save("array.npy", np.zeros(2))
+        torch.save({"w": torch.zeros(2)}, "ckpt.pt")  # opened from C++
+        os.close(os.open("raw.bin", os.O_WRONLY | os.O_CREAT))
+        with open("results.csv", "a") as f:  # appends are deliberate: not a collision
+            f.write("x\n")
+        with open("text.txt") as f:  # reads neither
+            f.read()
+
+    for name in ("a", "b"):
+        _as_job(name, shared, watch, writes)
+    names = ["text.txt", "path.txt", "array.npy", "ckpt.pt", "raw.bin"]
+    assert said == [(str(shared / name), ["a", "b"]) for name in names]
+    # A third job writing there joins the record; the live warning was said once per path.
+    _as_job("c", shared, watch, writes)
+    assert watch.collisions[str(shared / "ckpt.pt")] == ["a", "b", "c"]
+    assert len(said) == len(names)
+    # The same relative names in each job's own folder, or another run's watch: apart.
+    apart = WriteWatch()
+    _as_job("a", own_a, apart, writes)
+    _as_job("b", own_b, apart, writes)
+    assert apart.collisions == {}
+
+
+def test_a_sweep_writing_one_checkpoint_is_warned_and_job_placeholders_write_apart(tmp_path):
+    """Two jobs saving `ckpt.pt` in one folder keep one file: said live, in the summary
+    and in the report. `{job}` (the job's name) in args or cwd keeps them apart."""
+    script = str(SCRIPTS / "save.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), "--report", str(tmp_path / "r.json"),
+         script, "ckpt.pt", "a", ":", script, "ckpt.pt", "b"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    said = f"jobs save and save-2 both write {tmp_path / 'ckpt.pt'}"
+    live, summary = done.stderr.split("wwrun run ", 1)
+    assert said in live and said in summary, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())["run"]
+    assert report["write_collisions"] == [{"path": str(tmp_path / "ckpt.pt"), "jobs": ["save", "save-2"]}]
+
+    result = run(
+        tmp_path,
+        job("a", "save.py", "{job}.pt", "{job}", cwd=str(tmp_path)),
+        job("b", "save.py", "{job}.pt", "{job}", cwd=str(tmp_path)),
+        job("c", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
+        job("d", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
+    )
+    assert result.exit_code == 0 and "write_collisions" not in result.extra, result.to_dict()
+    import torch
+
+    for name, path in (("a", "a.pt"), ("b", "b.pt"), ("c", "runs/c/ckpt.pt"), ("d", "runs/d/ckpt.pt")):
+        assert torch.load(tmp_path / path) == {"job": name}
+    assert [j.args for j in result.jobs][:1] == [["a.pt", "a"]]  # the report shows what ran
+
+
+def test_an_open_noted_under_a_librarys_lock_takes_no_other_lock(tmp_path):
+    """tempfile probes the temporary folder with os.open under its own lock; noting that
+    write once asked tempfile for the folder again and the job hung forever."""
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"), str(SCRIPTS / "tempdir.py")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0 and "tempdir /" in done.stdout, done.stderr

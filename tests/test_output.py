@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,26 @@ def test_an_ended_job_keeps_two_descriptors_not_six(tmp_path):
     counts = [int((Path(result.log_dir) / f"j{i}" / "stdout.log").read_text().split("=")[1]) for i in range(30)]
     grown = counts[-1] - counts[0]
     assert grown <= 2 * 29 + 12, counts  # 6 per ended job before (174)
+
+
+def test_job_lines_lose_control_sequences_and_a_redrawn_bar_is_the_last_line(tmp_path):
+    lines = []
+    pump = Pump(lambda job, stream, line: lines.append(line))
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+    output.stdout.write("tick\x1b[A\x1b[2K \x1b[31mred\x1b[0m\x07\n")
+    output.stderr.write("\rbar 10%")
+    output.stderr.flush()
+    deadline = time.monotonic() + 10  # the pump thread reads it
+    while output.last_line != "bar 10%" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Before its next '\r' or newline, the bar being drawn is what the table shows.
+    assert output.last_line == "bar 10%"
+    output.stderr.write("\rbar 20%\r       \r")  # a bar that clears itself leaves its last state
+    output.close_writers()
+    pump.close()
+    assert "tick red" in lines and output.last_line == "bar 20%"
+    assert list(output.tail) == ["tick red", "bar 10%", "bar 20%"]
+    # The logs keep the bytes as written, as `2> file` would.
+    assert (tmp_path / "j" / "stdout.log").read_bytes() == b"tick\x1b[A\x1b[2K \x1b[31mred\x1b[0m\x07\n"
+    assert (tmp_path / "j" / "stderr.log").read_bytes() == b"\rbar 10%\rbar 20%\r       \r"

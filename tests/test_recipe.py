@@ -348,6 +348,12 @@ ERRORS = {
     "missing cwd": (
         "jobs: [{script: train.py, cwd: nowhere}]",
         "jobs[0].cwd: no such folder: {folder}/nowhere"),
+    "job as a sweep key": (
+        "jobs: [{script: train.py, args: '{job}', sweep: {grid: {job: [1, 2]}}}]",
+        "jobs[0].sweep.grid.job: 'job' is reserved for the job's name"),
+    "job in the name": (
+        "jobs: [{script: train.py, name: 'x-{job}'}]",
+        "jobs[0].name: placeholder {job} has no sweep value (this job has no sweep)"),
     "script and module": (
         "jobs: [{script: train.py, module: train}]",
         "jobs[0]: give exactly one of 'script' and 'module'"),
@@ -480,3 +486,30 @@ def test_sweep_expands_into_jobs_that_differ_only_in_learning_rate():
     assert len(set(rates)) == len(rates)
     assert all(settings == parsed[0] for settings in parsed)
     assert all(f"lr{job.args[job.args.index('--lr') + 1]}" in job.name for job in config.jobs)
+
+
+def test_job_placeholder_stays_until_the_job_starts_and_reads_back_the_same(project):
+    config = load(project, """
+        jobs:
+          - script: train.py
+            name: t-lr{lr}
+            args: --lr {lr} --save {job}.pt
+            cwd: runs/{job}/out
+            sweep: {grid: {lr: [0.1, 0.2]}}
+        """)
+    # Not made by loading (a dry run leaves nothing): the job makes it when it starts.
+    assert [job.cwd for job in config.jobs] == [str(project / "runs" / "{job}" / "out")] * 2
+    assert not (project / "runs" / "{job}").exists()
+    placed = [job.placed() for job in config.jobs]
+    assert [job.args for job in placed] == [["--lr", "0.1", "--save", "t-lr0.1.pt"],
+                                            ["--lr", "0.2", "--save", "t-lr0.2.pt"]]
+    assert placed[1].cwd == str(project / "runs" / "t-lr0.2" / "out")
+    again = load_recipe(write(project, dump_recipe(config), "again.yaml"))
+    assert again.jobs == config.jobs
+
+
+def test_sweep_points_save_apart():
+    config = load_recipe(RECIPES / "sweep.yaml")
+    parse = example_parser(config.jobs[0].script)
+    saves = [parse(job.placed().args).save for job in config.jobs]
+    assert None not in saves and len(set(saves)) == len(saves)

@@ -221,6 +221,10 @@ def option(default=dataclasses.MISSING, *, kind: str, help: str, flag: str | Non
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
+JOB_PLACEHOLDER = "{job}"
+"""In a job's args and cwd: the job's name (`JobSpec.placed`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
     """One job: a script or a module, run as `python script.py args` would run it."""
@@ -232,11 +236,13 @@ class JobSpec:
     module: str | None = option(None, kind="module", help="a module run as python -m")
     """Module run as `python -m module`. Exclusive with `script`."""
     args: list[str] = option(kind="args", help="the script's arguments", default_factory=list)
-    """The script's command-line arguments (its `sys.argv[1:]`)."""
+    """The script's command-line arguments (its `sys.argv[1:]`); `{job}` in them is
+    the job's name (`--save {job}.pt`), filled in when it starts."""
     env: dict[str, str] = option(kind="env", help="environment variables", default_factory=dict)
     """Environment variables set for this job only, over the launcher's."""
     cwd: str | None = option(None, kind="text", help="the job's working directory")
-    """The job's working directory; None means the launcher's."""
+    """The job's working directory; None means the launcher's. `{job}` in it is the
+    job's name (`runs/{job}`): a folder per job, made when the job starts."""
     priority: int = option(0, kind="count", help="higher starts first")
     """Higher starts first when not every job can run at once."""
     memory_limit: int | float | None = option(None, kind="size", help="device memory this job may use")
@@ -258,6 +264,15 @@ class JobSpec:
             raise ConfigError("script", "give exactly one of 'script' and 'module'")
         if self.script is not None:  # as python does: relative to where it starts
             self.script = os.path.abspath(self.script)
+
+    def placed(self) -> JobSpec:
+        """This job with `{job}` in its args and cwd replaced by its name: a way for
+        each job of a sweep to write apart (as GNU parallel's `{}`)."""
+        def fill(text: str) -> str:
+            return text.replace(JOB_PLACEHOLDER, self.name)
+
+        return dataclasses.replace(
+            self, args=[fill(arg) for arg in self.args], cwd=fill(self.cwd) if self.cwd else None)
 
     @property
     def argv(self) -> list[str]:

@@ -316,8 +316,18 @@ def summary_errors(result) -> list[str]:
     return lines
 
 
+def write_collision(path: str, jobs: list[str]) -> str:
+    """What the live output, the summary and `wwrun show` say of jobs of one run that
+    opened one file for writing (`isolation.WriteWatch`)."""
+    both = "both" if len(jobs) == 2 else "all"
+    return (f"jobs {', '.join(jobs[:-1])} and {jobs[-1]} {both} write {path}: the last write wins; "
+            "give each job its own path ({job} in its args is its name, or cwd: runs/{job})")
+
+
 def summary_footer(result) -> str:
     line = f"{len(result.jobs)} job(s) in {result.wall_s:.1f}s, logs in {result.log_dir}"
+    for clash in result.extra.get("write_collisions", ()):
+        line += f"\nwarning: {write_collision(clash['path'], clash['jobs'])}"
     if result.root_cause:
         line += f"\nroot cause: {result.root_cause} (exit code {result.exit_code})"
     return line

@@ -26,6 +26,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     threads            inherit the job of their starter   patched `threading.Thread.start`
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
                        initialized module across jobs)
+    files written      noted per run: two jobs writing    patched `open`, `os.open`, torch.save's
+                       one path are named (`WriteWatch`)  zip writer
 
 Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
 `sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
@@ -41,6 +43,7 @@ once when jobs set one of them to different values.
 from __future__ import annotations
 
 import atexit
+import builtins
 import collections.abc
 import ctypes
 import errno
@@ -56,6 +59,7 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _local = threading.local()
@@ -110,6 +114,8 @@ class JobContext:
     thread_id: int | None = None
     traceback: str | None = None
     """The uncaught exception's traceback, once the job failed with one."""
+    writes: WriteWatch | None = None
+    """The run's record of the files its jobs write (None: not watched)."""
 
 
 def enter(job: JobContext) -> None:
@@ -121,6 +127,7 @@ def enter(job: JobContext) -> None:
     _local.job = job
     with _install_lock:  # torch is imported by now (the launcher chose the device)
         _watch_settings()
+        _watch_torch_save()
     own_working_directory(job.cwd)
 
 
@@ -865,6 +872,130 @@ def _get_preparation_data(name):
 
 
 # ---------------------------------------------------------------------------------
+# Files two jobs write
+
+
+class WriteWatch:
+    """Which job of a run first opened each path for writing; says when another job
+    opens the same path for writing too: a sweep whose points all `--save ckpt.pt`
+    in one folder would otherwise leave one point's file and no word about it.
+
+    One per run, on every job's context (`JobContext.writes`). Counted: `open`
+    (`io.open`, hence pathlib's `write_*`, `numpy.save`, pickle into an `open`ed
+    file), `os.open` and `torch.save` to a path (which torch opens from C++), in a
+    mode that writes in place or truncates ('w', 'x', '+'; O_WRONLY/O_RDWR).
+    Appends are left out (jobs appending to one results file is deliberate), and so
+    are what libraries keep in caches or lock (see `_shared_by_design`). A job's
+    retries are one job; forked children (DataLoader workers) are not counted.
+    """
+
+    def __init__(self, on_collision: Callable[[str, list[str]], None] | None = None):
+        self._lock = threading.Lock()
+        self._first: dict[str, str] = {}  # path -> the first job that wrote it
+        self.collisions: dict[str, list[str]] = {}
+        """Each path more than one job wrote -> those jobs, in the order they wrote it."""
+        self.on_collision = on_collision
+        """Called with (path, [first job, second job]) when a path gets its second job."""
+
+    def note(self, job: str, path: str) -> None:
+        with self._lock:
+            first = self._first.setdefault(path, job)
+            if first == job:
+                return
+            jobs = self.collisions.setdefault(path, [first])
+            if job in jobs:
+                return
+            jobs.append(job)
+            if len(jobs) > 2:
+                return
+            jobs = list(jobs)
+        if self.on_collision is not None:
+            self.on_collision(path, jobs)
+
+
+def _note_write(path) -> None:
+    """Note `path` (as given to an open) for the calling job, if it is watched.
+
+    Called inside whatever opens the file, maybe under that library's own lock
+    (`tempfile.gettempdir` probes with `os.open` holding one): this calls nothing
+    that could open a file or take a lock but the watch's own."""
+    job = current_job()
+    if job is None or job.writes is None or os.getpid() != _LAUNCHER_PID:
+        return
+    try:
+        path = os.path.abspath(os.fsdecode(path))  # the job's own folder (unshare)
+    except (TypeError, ValueError):  # an fd, or a name no file can have
+        return
+    if not _shared_by_design(path):
+        job.writes.note(job.name, path)
+
+
+def _shared_by_design(path: str) -> bool:
+    """Files every job may write by design: devices and /proc, lock files, and the
+    caches libraries keep for the whole machine (~/.cache, torch's compiled kernels)."""
+    if path.startswith(("/dev/", "/proc/", "/sys/")) or path.endswith(".lock"):
+        return True
+    return path.startswith(_cache_folders)
+
+
+def _find_cache_folders() -> tuple[str, ...]:
+    """Found once, at install, from the launcher: finding the temporary folder opens
+    files under tempfile's lock, which an open noted from a job must never take."""
+    import getpass
+    import tempfile
+
+    env = process_environ()
+    home_cache = env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    folders = [home_cache, os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")]
+    folders += [env[name] for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if env.get(name)]
+    return tuple(os.path.join(os.path.abspath(f), "") for f in folders)
+
+
+_cache_folders: tuple[str, ...] = ()
+
+
+def _writes(mode: str) -> bool:
+    return ("w" in mode or "x" in mode or "+" in mode) and "a" not in mode
+
+
+def _open(file, mode="r", *args, **kwargs):
+    """`open`/`io.open`: the job's writes are noted (`WriteWatch`)."""
+    if isinstance(mode, str) and _writes(mode) and not isinstance(file, int):
+        _note_write(file)
+    return _originals["open"](file, mode, *args, **kwargs)
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+
+def _os_open(path, flags, mode=0o777, *, dir_fd=None):
+    """`os.open`: the job's writes are noted (`WriteWatch`)."""
+    if flags & _WRITE_FLAGS and not flags & os.O_APPEND and dir_fd is None:
+        _note_write(path)
+    return _originals["os.open"](path, flags, mode, dir_fd=dir_fd)
+
+
+def _watch_torch_save() -> None:
+    """torch.save to a path opens the file from C++ (its zip writer): note it here."""
+    serialization = sys.modules.get("torch.serialization")
+    if serialization is None or getattr(serialization._open_zipfile_writer, "_wwrun_watched", False):
+        return
+    original = serialization._open_zipfile_writer
+
+    def open_zipfile_writer(name_or_buffer, *args, **kwargs):
+        if serialization._is_path(name_or_buffer):
+            _note_write(name_or_buffer)
+        return original(name_or_buffer, *args, **kwargs)
+
+    open_zipfile_writer._wwrun_watched = True
+    serialization._open_zipfile_writer = open_zipfile_writer
+
+
+# ---------------------------------------------------------------------------------
 # Process-wide settings no per-job view can hold
 
 
@@ -1012,6 +1143,8 @@ def _patch_functions() -> None:
         "signal.getsignal": signal.getsignal,
         "os._exit": os._exit,
         "os.close": os.close,
+        "open": io.open,
+        "os.open": os.open,
         "Thread.start": threading.Thread.start,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
         "fork_exec": _posixsubprocess.fork_exec,
@@ -1024,6 +1157,10 @@ def _patch_functions() -> None:
     signal.getsignal = _signal_getsignal
     os._exit = _os_exit
     os.close = _os_close
+    global _cache_folders
+    _cache_folders = _find_cache_folders()
+    builtins.open = io.open = _open
+    os.open = _os_open
     importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner

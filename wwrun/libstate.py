@@ -11,6 +11,8 @@ seeing the original.
     library     state                            job's view
     ----------  -------------------------------  ---------------------------------------
     matplotlib  pyplot's figures (`Gcf.figs`)    the job's own figures, numbered from 1
+    tqdm        its bars (`tqdm._instances`)      the job's own bars: its first bar is at
+                                                 position 0, as when alone
 
 Others cannot be made per job, only used by one job at a time. torch's tracers keep
 the trace in progress in module globals (`torch.export`'s module hierarchy and proxy
@@ -19,6 +21,13 @@ empty mode stack", "Graphs differed across invocations"). `torch.jit.trace`,
 `torch.jit.trace_module`, `torch.jit.script` and `torch.export.export` take one
 process-wide lock, as dynamo's own `compile_lock` does for `torch.compile`; what they
 produce runs concurrently.
+
+One is a flag: `torch.compiler.is_compiling()` reads a module global that dynamo
+holds True for a whole compile session. Another job's eager code asking it meanwhile
+took the compiled path: `torch.optim.Adam(W)` then kept its step count as a tensor
+(`optimizer._get_value`) and computed the bias correction in float32 rather than in
+Python floats, ending a few ulps away from the same seeded script alone. The flag is
+made per thread: true in the thread that compiles, as when alone.
 
 One goes the other way: inductor tells its compiled C++ wrappers an address through
 the environment (`_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`, read with C `getenv`),
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import functools
 import importlib.abc
 import sys
@@ -89,6 +99,79 @@ class _PerJobFigures(collections.abc.MutableMapping):
         return repr(self._target())
 
 
+class _PerJobBars:
+    """`tqdm._instances` (a WeakSet of the live bars, which chooses each new bar's
+    screen row) as seen by the calling job. Alone, a script's first bar is at row 0
+    and draws with carriage returns only; sharing one set, a second job's bar went
+    to row 1 and moved the cursor up and down in its output. Threads of no job (tqdm's
+    monitor thread) see every bar."""
+
+    def __init__(self, shared):
+        self._shared = shared
+        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Reentrant: a collection inside may close an abandoned bar, which removes it.
+        self._lock = threading.RLock()
+
+    def _target(self):
+        job = isolation.current_job()
+        if job is None:
+            return self._shared
+        bars = self._by_job.get(job)
+        if bars is None:
+            with self._lock:
+                bars = self._by_job.setdefault(job, weakref.WeakSet())
+        return bars
+
+    def _all(self) -> list:
+        with self._lock:
+            sets = [self._shared, *self._by_job.values()]
+        return [bar for bars in sets for bar in list(bars)]
+
+    def add(self, bar) -> None:
+        self._target().add(bar)
+
+    def remove(self, bar) -> None:
+        """From its own job's set, wherever it is closed from (a collection in
+        another job's thread closes an abandoned bar)."""
+        own = self._target()
+        if bar in own:
+            own.remove(bar)
+            return
+        with self._lock:
+            sets = [self._shared, *self._by_job.values()]
+        for bars in sets:
+            if bar in bars:
+                bars.discard(bar)
+                return
+        raise KeyError(bar)
+
+    def discard(self, bar) -> None:
+        try:
+            self.remove(bar)
+        except KeyError:
+            pass
+
+    def _view(self) -> list:
+        return self._all() if isolation.current_job() is None else list(self._target())
+
+    def __iter__(self):
+        return iter(self._view())
+
+    def __len__(self):
+        return len(self._view())
+
+    def __contains__(self, bar):
+        return bar in self._view()
+
+    def copy(self):
+        return weakref.WeakSet(self._view())
+
+
+def _patch_tqdm(module) -> None:
+    if not isinstance(module.tqdm._instances, _PerJobBars):
+        module.tqdm._instances = _PerJobBars(module.tqdm._instances)
+
+
 def _patch_pylab_helpers(module) -> None:
     if not isinstance(module.Gcf.figs, _PerJobFigures):
         module.Gcf.figs = _PerJobFigures(module.Gcf.figs)
@@ -130,6 +213,38 @@ def _patch_export(export) -> None:
     export.export = _one_at_a_time(export.export)
 
 
+_compiling = threading.local()
+
+
+def _is_compiling() -> bool:
+    """Runs as `torch.compiler.is_compiling`, in that module's namespace: the global
+    flag (export sets it) or this thread's compile session."""
+    if torch.jit.is_scripting():  # noqa: F821 - torch.compiler's globals
+        return False
+    return _is_compiling_flag or getattr(_wwrun_compiling, "depth", 0) > 0  # noqa: F821
+
+
+def _compiling_per_thread(compiler) -> None:
+    if getattr(compiler, "_wwrun_compiling", None) is not None:
+        return
+    if not hasattr(compiler, "_compile_session_context") or not hasattr(compiler, "_is_compiling_flag"):
+        return  # a torch that keeps the flag otherwise: left as it is
+
+    @contextlib.contextmanager
+    def compile_session():
+        _compiling.depth = getattr(_compiling, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _compiling.depth -= 1
+
+    compiler._wwrun_compiling = _compiling
+    compiler._compile_session_context = compile_session
+    # The function keeps its identity, only its code changes: dynamo folds calls to
+    # it by identity while it traces.
+    compiler.is_compiling.__code__ = _is_compiling.__code__
+
+
 def _share_inductor_address(codecache) -> None:
     import torch
 
@@ -139,8 +254,10 @@ def _share_inductor_address(codecache) -> None:
 
 _PATCHES = {
     "matplotlib._pylab_helpers": _patch_pylab_helpers,
+    "tqdm.std": _patch_tqdm,
     "torch.jit": _patch_tracers,
     "torch.export": _patch_export,
+    "torch.compiler": _compiling_per_thread,
     "torch._inductor.codecache": _share_inductor_address,
 }
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import io
 import os
+import re
 import selectors
 import threading
 from collections.abc import Callable
@@ -33,6 +34,22 @@ LineSink = Callable[[str, str, str], None]
 
 _CHUNK = 1 << 16
 TAIL_LINES = 10
+
+# Terminal control sequences: CSI (cursor moves, colours: ESC [ ... final byte), OSC
+# (titles, links: ESC ] ... BEL or ESC \\), other ESC pairs, and the C0/C1 control
+# characters left (backspace, bell; tabs stay). Newlines and carriage returns are
+# split on before this applies.
+_CONTROL = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -/]*[0-~]?"
+    r"|\x9b[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+)
+
+
+def printable(line: str) -> str:
+    """`line` without terminal control sequences: what the display, the report and
+    `wwrun show` print of a job's line can neither move the cursor nor recolour the
+    screen (`print("tick\\x1b[A")` in a job leaves the live table where it is)."""
+    return _CONTROL.sub("", line) if not line.isprintable() else line
 
 
 class JobOutput:
@@ -97,26 +114,32 @@ class JobOutput:
             self.fds[stream] = -1
 
     def _feed(self, stream: str, data: bytes, on_line: LineSink) -> None:
+        # The logs hold the bytes as written, as `python script.py 2> file` would.
         self._logs[stream].write(data)
         self._logs[stream].flush()
         # Progress bars redraw with '\r': each redraw counts as a line for the display.
         text = self._partial[stream] + data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *lines, self._partial[stream] = text.split(b"\n")
         for raw in lines:
-            line = raw.decode("utf-8", "backslashreplace")
-            if line.strip():
-                self.last_line = line
-                self.tail.append(line)
-            on_line(self.name, stream, line)
+            self._line(stream, raw, on_line)
+        # A bar being redrawn is the line a terminal shows now: the table shows it too,
+        # before its next '\r' ends it (a bar that clears itself leaves the last line).
+        current = printable(self._partial[stream].decode("utf-8", "replace"))
+        if current.strip():
+            self.last_line = current
+
+    def _line(self, stream: str, raw: bytes, on_line: LineSink) -> None:
+        line = printable(raw.decode("utf-8", "backslashreplace"))
+        if line.strip():
+            self.last_line = line
+            self.tail.append(line)
+        on_line(self.name, stream, line)
 
     def _finish(self, stream: str, on_line: LineSink) -> None:
         rest = self._partial[stream]
         if rest:
             self._partial[stream] = b""
-            line = rest.decode("utf-8", "backslashreplace")
-            self.last_line = line
-            self.tail.append(line)
-            on_line(self.name, stream, line)
+            self._line(stream, rest, on_line)
         self._logs[stream].close()
 
 
@@ -242,6 +265,10 @@ def show_run(run: str | None = None, log_root: str = "wwrun_logs", file=None) ->
             print(f"  {'':<{width}}  last: {job['last_lines'][-1]}", file=out)
     if info.get("root_cause"):
         print(f"root cause: {info['root_cause']} (exit code {info['exit_code']})", file=out)
+    from wwrun.display import write_collision
+
+    for clash in info.get("write_collisions", ()):
+        print(f"warning: {write_collision(clash['path'], clash['jobs'])}", file=out)
     return 0
 
 

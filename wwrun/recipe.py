@@ -13,7 +13,9 @@
         repeat: 2                   # each point twice; {repeat} is 0, then 1
 
 `{key}` in args or name is a sweep value (or the repeat index); `{{key}}` is the
-literal text `{key}`. A sweep and a repeat may make at most MAX_JOBS jobs in all,
+literal text `{key}`. `{job}` in args or cwd is the job's name, filled in when the job
+starts (`JobSpec.placed`): `--save {job}.pt` or `cwd: runs/{job}` lets each job of a
+sweep write apart. A sweep and a repeat may make at most MAX_JOBS jobs in all,
 counted before any is made.
 
 One entry expands into one job per sweep point and repeat. `load_recipe` checks
@@ -43,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from wwrun.config import (
-    MAX_JOBS, ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
+    JOB_PLACEHOLDER, MAX_JOBS, ConfigError, JobSpec, LaunchConfig, closest, describe, name_from, name_part, parse_size,
     shorten,
 )
 from wwrun.config import options as options_of
@@ -61,6 +63,7 @@ SWEEP_KEYS = ("grid", "zip")
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _PLACEHOLDER_OR_ESCAPED = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SWEEP_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB = JOB_PLACEHOLDER[1:-1]  # not a sweep key: the job's name (args and cwd), filled at start
 
 
 def load_recipe(path: str | os.PathLike) -> LaunchConfig:
@@ -210,7 +213,7 @@ def _expand_job(entry, where: str, folder: Path, room: int) -> list[tuple[JobSpe
     cwd = None
     if "cwd" in given:
         cwd = _absolute(folder, _text(given["cwd"], f"{where}.cwd"))
-        if not os.path.isdir(cwd):
+        if JOB_PLACEHOLDER not in cwd and not os.path.isdir(cwd):  # else made at start
             raise ConfigError(f"{where}.cwd", f"no such folder: {shorten(cwd, 200)}")
     template = _scalar(given["name"], f"{where}.name") if "name" in given else default_name
     args = _read_args(given.get("args", []), f"{where}.args")
@@ -344,6 +347,8 @@ def _sweep_lists(lists, where: str) -> dict[str, list[str]]:
             raise ConfigError(where, f"{key!r} is not a usable key (letters, digits and _, as in {{lr}})")
         if key == "repeat":
             raise ConfigError(f"{where}.{key}", "'repeat' is reserved for the repeat index")
+        if key == _JOB:
+            raise ConfigError(f"{where}.{key}", f"'{_JOB}' is reserved for the job's name")
         if not isinstance(values, list):
             raise ConfigError(f"{where}.{key}", f"expected a list of values, got {_kind(values)}")
         if not values:
@@ -358,6 +363,8 @@ def _check_placeholders(template: str, args: list[str], point: list[str], sweep,
     texts = [(template, f"{where}.name"), *((arg, f"{where}.args[{i}]") for i, arg in enumerate(args))]
     for text, at in texts:
         for key in _placeholders(text):
+            if key == _JOB and at != f"{where}.name":
+                continue
             if key not in keys:
                 known = closest(key, keys) or (
                     f" (the sweep gives {', '.join(point)})" if point else " (this job has no sweep)"
@@ -381,14 +388,17 @@ def _placeholders(text: str) -> list[str]:
 def _fill(text: str, values: dict[str, str]) -> str:
     """`text` with its placeholders filled in and `{{key}}` made `{key}`."""
     def one(match: re.Match) -> str:
-        return "{" + match.group(1) + "}" if match.group(1) else values[match.group(2)]
+        if match.group(1):
+            return "{" + match.group(1) + "}"
+        return match.group(0) if match.group(2) == _JOB else values[match.group(2)]
 
     return _PLACEHOLDER_OR_ESCAPED.sub(one, text)
 
 
 def _escape(text: str) -> str:
-    """`text` as a recipe argument that `_fill` gives back unchanged."""
-    return _PLACEHOLDER.sub(r"{{\1}}", text)
+    """`text` as a recipe argument that `_fill` gives back unchanged (`{job}` stays:
+    it is the job's name, filled in only when the job starts)."""
+    return _PLACEHOLDER.sub(lambda m: m.group(0) if m.group(1) == _JOB else "{" + m.group(0) + "}", text)
 
 
 def _check_keys(mapping: dict, valid: tuple[str, ...], where: str) -> None:

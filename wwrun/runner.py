@@ -42,6 +42,7 @@ from pathlib import Path
 
 from wwrun import host, isolation, jobthread
 from wwrun.config import ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
+from wwrun.display import write_collision
 from wwrun.output import JobOutput, Pump
 from wwrun.result import (
     EXIT_INTERRUPTED, EXIT_TIMEOUT, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder,
@@ -70,7 +71,7 @@ class Job:
     """One running copy of a JobSpec (its attempts, when it is retried)."""
 
     def __init__(self, spec: JobSpec, index: int, run_dir: Path, launcher_cwd: str, retries: int):
-        self.spec = spec
+        self.spec = spec = spec.placed()  # `{job}` in its args and cwd: its name
         self.index = index
         self.folder = run_dir / spec.name
         self.retries = retries
@@ -123,6 +124,8 @@ class Runner:
         self.log_root = Path(config.log_dir).absolute()
         self.run_dir = self.log_root / config.run_id
         self._launcher_cwd = os.getcwd()
+        self.writes = isolation.WriteWatch(on_collision=self._on_write_collision)
+        """Which job wrote which file: two writing one path are named."""
         self.jobs = [] if fed else [
             Job(spec, i, self.run_dir, self._launcher_cwd, config.retries if spec.retries is None else spec.retries)
             for i, spec in enumerate(config.jobs)
@@ -345,6 +348,11 @@ class Runner:
         job.output = JobOutput(spec.name, folder)
         pump.add(job.output)
         script_dir = os.path.dirname(spec.script) if spec.script else job.result.cwd
+        if spec.cwd and not os.path.isdir(spec.cwd):  # a folder per job (`runs/{job}`)
+            try:
+                os.makedirs(spec.cwd, exist_ok=True)
+            except OSError:
+                pass  # the job fails entering it, saying why
         job.context = isolation.JobContext(
             name=spec.name,
             argv=list(spec.argv),
@@ -356,6 +364,7 @@ class Runner:
             stdout_fd=job.output.fds["stdout"],
             stderr_fd=job.output.fds["stderr"],
             stdin=isolation.job_stdin(spec.stdin or len(self.jobs) == 1),
+            writes=self.writes,
         )
         job.result.started = time.time()
         job.result.ended = job.result.exit_code = job.result.error = None
@@ -533,7 +542,14 @@ class Runner:
         return threads
 
     def _run_extra(self) -> dict:
-        return self.memory.run_report()
+        extra = self.memory.run_report()
+        if self.writes.collisions:
+            extra["write_collisions"] = [
+                {"path": path, "jobs": list(jobs)} for path, jobs in self.writes.collisions.items()]
+        return extra
+
+    def _on_write_collision(self, path: str, jobs: list[str]) -> None:
+        self.display.note(f"warning: {write_collision(path, jobs)}")
 
     @property
     def concurrency(self) -> int:

@@ -59,8 +59,9 @@ class _DriverJob:
         self.index = index
         self.folder = run_dir / spec.name
         self.retries = retries
-        self.result = JobResult(name=spec.name, script=spec.script, module=spec.module, args=list(spec.args),
-                                cwd=spec.cwd, log_dir=str(self.folder))
+        placed = spec.placed()  # as the engine runs it: `{job}` filled in
+        self.result = JobResult(name=spec.name, script=spec.script, module=spec.module, args=list(placed.args),
+                                cwd=placed.cwd, log_dir=str(self.folder))
         self.output = _Tail()
         self.key = spec.script or f"-m {spec.module}"
         """Sweep siblings share it: the same script (or module), other arguments."""

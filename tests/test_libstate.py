@@ -1,0 +1,93 @@
+"""Third-party globals seen per job: tqdm's bars and torch.compile's flag."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _run_on_a_terminal(args: list[str], timeout: float = 120.0) -> tuple[int, bytes]:
+    """Run `python -m wwrun args` with stdout and stderr on a pseudo-terminal (120x40,
+    so wwrun draws its live table); returns its exit code and everything it wrote."""
+    main, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    process = subprocess.Popen([sys.executable, "-m", "wwrun", *args], stdin=subprocess.DEVNULL,
+                               stdout=side, stderr=side, env=env)
+    os.close(side)
+    written, deadline = bytearray(), time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 1.0)
+            if not ready:
+                if process.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's other side closed: wwrun has ended
+                break
+            if not chunk:
+                break
+            written += chunk
+        else:
+            pytest.fail(f"wwrun did not end within {timeout} s; it wrote {bytes(written[-2000:])!r}")
+        return process.wait(timeout=30), bytes(written)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(main)
+
+
+def test_tqdm_in_three_jobs_draws_as_alone_and_control_sequences_stay_out_of_the_table(tmp_path):
+    pytest.importorskip("tqdm")
+    script = str(SCRIPTS / "progress.py")
+    code, terminal = _run_on_a_terminal(
+        ["--tee", "--log-dir", str(tmp_path), "--policy", "concurrent",
+         script, ":", script, ":", script, "--control"])
+    assert code == 0, terminal.decode(errors="replace")[-3000:]
+    (run,) = [p for p in tmp_path.iterdir() if p.name != "latest"]
+    for job in ("progress", "progress-2", "progress-3"):
+        stderr = (run / job / "stderr.log").read_bytes()
+        # What `python progress.py 2> file` holds: each bar on row 0, redrawn with '\r'
+        # only; a bar on another row would move the cursor up (ESC [A).
+        assert b"30/30" in stderr and b"\x1b" not in stderr, (job, stderr[-300:])
+    # The log keeps what the job wrote; the terminal shows the line without it.
+    assert b"tick\x1b[7A" in (run / "progress-3" / "stdout.log").read_bytes()
+    assert b"tick" in terminal
+    assert b"\x1b[7A" not in terminal and b"\x1b[A" not in terminal
+
+
+def test_a_compile_in_one_job_leaves_another_jobs_optimizer_as_alone(tmp_path):
+    """torch.compiler.is_compiling() was one process-wide flag, true for a whole compile
+    session: AdamW beside another job's compile took its compiled path (a tensor step
+    count) and ended a few ulps away from `python` alone."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = str(SCRIPTS / "compile_session.py")
+    alone = subprocess.run([sys.executable, script, "train", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    (tmp_path / "done").unlink()
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name="compile", script=script, args=["compile", str(tmp_path)]),
+              JobSpec(name="train", script=script, args=["train-beside", str(tmp_path)])],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
+    ))
+    logs = {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+    assert result.exit_code == 0, logs
+    assert "compiling: is_compiling True" in logs["compile"]  # as when alone: its own session
+    assert "training: is_compiling False" in logs["train"]
+    assert logs["train"] == alone
