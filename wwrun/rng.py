@@ -16,7 +16,8 @@ threads it starts see the job's own state instead:
     numpy's legacy global state    a `numpy.random.RandomState()`      same, for `numpy.random.<fn>`
 
 Ops draw from the job's generator through a C++ extension (`csrc/rng/`, built at
-first use against the installed torch like the allocator): job threads carry a
+first use against the installed torch like the allocator, `wwrun.build`; a run
+stops with its error when it cannot be built): job threads carry a
 dispatch key whose kernel, on every op with a `Generator?` argument, replaces a
 missing (or torch's default) generator with the job's. So dropout, `randn`,
 `randperm`, `torch.nn.init`, DataLoader shuffling and `fork_rng` all follow the
@@ -36,11 +37,9 @@ directly (scikit-learn's `check_random_state(None)`).
 from __future__ import annotations
 
 import functools
-import os
 import random
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +61,7 @@ _TORCH_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set
 _local = threading.local()
 _install_lock = threading.Lock()
 _installed = False
-_extension = None  # the compiled module, or None when it could not be built
+_extension = None  # the compiled module, once installed
 _originals: dict = {}
 
 
@@ -71,7 +70,7 @@ class JobRandomState:
     """One job's generators, shared by all its threads."""
 
     torch_cpu: object | None = None
-    """The job's `torch.Generator` (None when the extension is unavailable)."""
+    """The job's `torch.Generator`."""
     torch_cuda: list = field(default_factory=list)
     """The job's CUDA generators, by device index."""
     python: random.Random = field(default_factory=random.Random)
@@ -95,15 +94,14 @@ def source_dir() -> Path:
 def enter_job() -> JobRandomState:
     """Give the calling thread (a job's main thread) fresh random state of its own."""
     install()
-    state = JobRandomState(numpy=_new_numpy_state())
-    if _extension is not None:
-        import torch
+    import torch
 
-        state.torch_cpu = torch.Generator()
-        state.torch_cpu.seed()  # as torch seeds its default generator at start-up
-        if torch.cuda.is_available():
-            _wrap_cuda_generators()
-            state.torch_cuda = [torch.Generator(device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    state = JobRandomState(numpy=_new_numpy_state())
+    state.torch_cpu = torch.Generator()
+    state.torch_cpu.seed()  # as torch seeds its default generator at start-up
+    if torch.cuda.is_available():
+        _wrap_cuda_generators()
+        state.torch_cuda = [torch.Generator(device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
     _activate(state)
     return state
 
@@ -124,7 +122,8 @@ def _activate(state: JobRandomState | None) -> None:
 
 
 def install() -> None:
-    """Build the extension and put the per-job views in place (once per process)."""
+    """Build the extension and put the per-job views in place (once per process);
+    raises wwrun.build.BuildError when the extension cannot be built."""
     global _installed
     with _install_lock:
         if _installed:
@@ -133,32 +132,21 @@ def install() -> None:
         _patch_threads()
         _patch_python_random()
         _patch_numpy()
-        if _extension is not None:
-            _patch_torch()
+        _patch_torch()
         _installed = True
 
 
 def _build_extension() -> None:
+    """Builds the extension (wwrun.build) and registers its kernels. A failure is
+    raised (wwrun.build.BuildError): without it, seeded jobs would share torch's
+    generator and no longer reproduce their solo runs."""
     global _extension
-    try:
-        from torch.utils import cpp_extension
+    from wwrun import build
 
-        module = cpp_extension.load(
-            name="wwrun_rng",
-            sources=[str(source_dir() / "job_generators.cpp")],
-            extra_cflags=_CXX_FLAGS,
-            verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
-        )
-        module.register_kernels(SWAPPED_OPS)
-        _extension = module
-    except Exception as exc:  # noqa: BLE001 - no compiler, or a torch we cannot build against
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        warnings.warn(
-            f"wwrun: per-job torch generators unavailable ({first_line}); "
-            "jobs share torch's random state (Python's random and numpy's stay per job)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    module = build.load("wwrun_rng", [source_dir() / "job_generators.cpp"],
+                        what="wwrun's per-job random generators", extra_cflags=_CXX_FLAGS)
+    module.register_kernels(SWAPPED_OPS)
+    _extension = module
 
 
 # -- threads ------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The memory-flow allocator's Python face.
 
 The allocator itself is C++ (`csrc/allocator/`, policy a-g at the top of
-`waterwave_allocator.h`), built at first use against the installed torch with
-`torch.utils.cpp_extension.load` (cached under torch's extension folder):
+`waterwave_allocator.h`), built at first use against the installed torch (`wwrun.build`: cached under
+torch's extensions folder, keyed by the sources):
 
 - `HostAllocator`: the allocator on host memory with simulated streams and events,
   for tests and the host benchmark; needs no CUDA.
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from wwrun import build
 
 __all__ = [
     "AllocationTrace",
@@ -93,24 +95,32 @@ def source_dir() -> Path:
     )
 
 
+_WHAT = {"host": "wwrun's host allocator", "cpu": "wwrun's allocator", "cuda": "wwrun's allocator"}
+
+
+def _build_args(kind: str) -> dict:
+    src = source_dir()
+    extra = {"host": _HOST_SOURCES, "cpu": _CPU_SOURCES, "cuda": _CUDA_SOURCES}[kind]
+    return dict(
+        name=f"wwrun_allocator_{kind}",
+        sources=[src / name for name in _CORE_SOURCES + extra],
+        extra_cflags=_CXX_FLAGS,
+        extra_include_paths=[src],
+        with_cuda=kind == "cuda",
+    )
+
+
+def build_directory(kind: str) -> Path:
+    """Where the `kind` build ("host", "cpu" or "cuda") lives (wwrun.build)."""
+    return build.build_directory(**_build_args(kind))
+
+
 def _extension(kind: str):
-    """The compiled module for `kind` ("host", "cpu" or "cuda"), built once per process
-    (and once per source change on disk)."""
+    """The compiled module for `kind` ("host", "cpu" or "cuda"), built once per machine
+    and source change (wwrun.build); raises wwrun.build.BuildError."""
     with _build_lock:
         if kind not in _modules:
-            from torch.utils import cpp_extension
-
-            src = source_dir()
-            extra = {"host": _HOST_SOURCES, "cpu": _CPU_SOURCES, "cuda": _CUDA_SOURCES}[kind]
-            names = _CORE_SOURCES + extra
-            _modules[kind] = cpp_extension.load(
-                name=f"wwrun_allocator_{kind}",
-                sources=[str(src / name) for name in names],
-                extra_cflags=_CXX_FLAGS,
-                extra_include_paths=[str(src)],
-                with_cuda=kind == "cuda",
-                verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
-            )
+            _modules[kind] = build.load(**_build_args(kind), what=_WHAT[kind])
         return _modules[kind]
 
 
