@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from wwrun import build
+from wwrun import build, forksafe
 
 __all__ = [
     "AllocationTrace",
@@ -77,7 +77,7 @@ DEFAULT_RELEASE_WAIT_S = 2.0
 # not one of ours, so this errs on the large side.
 CAPACITY_HEADROOM_BYTES = 512 << 20
 
-_build_lock = threading.Lock()
+_build_lock = forksafe.Lock()
 _modules: dict[str, object] = {}
 _batched_scrub_failed = False  # a launch failed once: zero at hand-out from then on
 
@@ -105,7 +105,7 @@ def _build_args(kind: str) -> dict:
         name=f"wwrun_allocator_{kind}",
         sources=[src / name for name in _CORE_SOURCES + extra],
         extra_cflags=_CXX_FLAGS,
-        extra_include_paths=[src],
+        extra_include_paths=[src, src.parent / "common"],
         with_cuda=kind == "cuda",
     )
 
@@ -558,7 +558,7 @@ def _device_index(device) -> int:
 # reused once their job ended. A destroyed stream's handle can come back from
 # the driver for a new stream, which the allocator would take for the old one
 # (rule a: "stream order makes it safe") while the old one's work still runs.
-_job_streams_lock = threading.Lock()
+_job_streams_lock = forksafe.Lock()
 _idle_job_streams: dict[int, list[int]] = {}  # device -> handles of ended jobs' streams
 _made_job_streams: set[tuple[int, int]] = set()  # (device, handle) made here
 _job_stream_of: dict[tuple[int, str], list[int]] = {}  # (device, job) -> its handles
@@ -592,7 +592,7 @@ def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
 
 
 _scrub_streams: dict[int, torch.cuda.ExternalStream] = {}
-_scrub_streams_lock = threading.Lock()
+_scrub_streams_lock = forksafe.Lock()
 
 
 def _scrub_stream(device: int) -> torch.cuda.ExternalStream:
