@@ -40,8 +40,11 @@ import functools
 import random
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from wwrun import forksafe
 
 __all__ = ["JobRandomState", "current_state", "enter_job", "install", "leave_job", "source_dir"]
 
@@ -59,10 +62,11 @@ _CXX_FLAGS = ["-O3", "-Wall"]
 _TORCH_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
 
 _local = threading.local()
-_install_lock = threading.Lock()
+_install_lock = forksafe.Lock()
 _installed = False
 _extension = None  # the compiled module, once installed
 _originals: dict = {}
+_by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the extension's job keys
 
 
 @dataclass(eq=False)
@@ -78,8 +82,15 @@ class JobRandomState:
 
 
 def current_state() -> JobRandomState | None:
-    """The calling thread's job state, or None outside jobs."""
-    return getattr(_local, "state", None)
+    """The calling thread's job state, or None outside jobs. A thread of torch's
+    that runs a job's work (the autograd thread in its backward on CUDA, see Note
+    [Work for a job] in csrc/rng) gets that job's."""
+    state = getattr(_local, "state", None)
+    if state is None and _extension is not None:
+        key = _extension.current_job()
+        if key:
+            state = _by_key.get(key)
+    return state
 
 
 def source_dir() -> Path:
@@ -118,7 +129,8 @@ def _activate(state: JobRandomState | None) -> None:
     if state is None:
         _extension.leave()
     else:
-        _extension.enter(state.torch_cpu, state.torch_cuda)
+        _by_key[id(state)] = state
+        _extension.enter(state.torch_cpu, state.torch_cuda, id(state))
 
 
 def install() -> None:
@@ -143,8 +155,9 @@ def _build_extension() -> None:
     global _extension
     from wwrun import build
 
-    module = build.load("wwrun_rng", [source_dir() / "job_generators.cpp"],
-                        what="wwrun's per-job random generators", extra_cflags=_CXX_FLAGS)
+    src = source_dir()
+    module = build.load("wwrun_rng", [src / "job_generators.cpp"], what="wwrun's per-job random generators",
+                        extra_cflags=_CXX_FLAGS, extra_include_paths=[src.parent / "common"])
     module.register_kernels(SWAPPED_OPS)
     _extension = module
 
