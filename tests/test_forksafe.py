@@ -13,7 +13,7 @@ from wwrun import forksafe
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parent.parent
-STRESS_LOADERS = int(os.environ.get("WWRUN_FORK_STRESS_LOADERS", "60"))
+STRESS_LOADERS = int(os.environ.get("WWRUN_FORK_STRESS_LOADERS", "100"))
 """DataLoaders (of 2 forked workers each) in the stress test: about 30 s here on a
 loaded 2-core machine; raise it for a soak run (WWRUN_FORK_STRESS_LOADERS=2000)."""
 

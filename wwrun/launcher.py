@@ -277,6 +277,8 @@ def handle_interrupts(handler) -> Callable[[], None]:
             handler(signum, frame)
         elif signum == signal.SIGINT:  # a child the fork hook did not reach (os.fork from C)
             raise KeyboardInterrupt
+        else:  # SIGTERM's default action there
+            isolation._originals.get("os._exit", os._exit)(128 + signum)
 
     for sig in previous:
         signal.signal(sig, in_launcher)
