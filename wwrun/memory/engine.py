@@ -76,8 +76,7 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 
-from wwrun import libstate
-from wwrun import forksafe
+from wwrun import forksafe, libstate
 from wwrun.memory.nodegroups import Node, Plan, explain_plan, make_plan
 from wwrun.memory.scheduler import Decision, Scheduler
 from wwrun.memory.trace import Timeline
