@@ -265,25 +265,36 @@ def test_a_swapped_draw_waiting_for_memory_does_not_stall_another_jobs_draws():
     assert torch.equal(b, torch.rand(4, generator=torch.Generator().manual_seed(1)))
 
 
-def checkpointed_training(seed: int, backward=lambda loss: loss.backward(), before_backward=lambda: None):
+def checkpointed_training(seed: int, backward=lambda loss: loss.backward(), before_backward=lambda: None,
+                          device: str = "cpu"):
     """A few steps of a block with dropout under torch.utils.checkpoint: the dropout
     masks of each forward and of its recompute, the losses and the gradients."""
     torch.manual_seed(seed)
-    first, second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+    first, second = torch.nn.Linear(16, 16).to(device), torch.nn.Linear(16, 1).to(device)
     masks, losses = [], []
 
     def block(x):
         time.sleep(0.002)  # another job's recompute may restore its own RNG state now
         hidden = torch.nn.functional.dropout(first(x), 0.5)
-        masks.append(hidden != 0)
+        masks.append((hidden != 0).cpu())
         return second(hidden)
 
     for _ in range(4):
-        loss = torch.utils.checkpoint.checkpoint(block, torch.randn(32, 16), use_reentrant=False).pow(2).mean()
+        x = torch.randn(32, 16, device=device)
+        loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).pow(2).mean()
         before_backward()
         backward(loss)
         losses.append(loss.item())
-    return masks, losses, [p.grad for p in (*first.parameters(), *second.parameters())]
+    return masks, losses, [p.grad.cpu() for p in (*first.parameters(), *second.parameters())]
+
+
+def assert_recomputed_as_forward_and_as_solo(results, solo) -> None:
+    for (masks, losses, grads), (solo_masks, solo_losses, solo_grads) in zip(results, solo):
+        for forward, recomputed in zip(masks[0::2], masks[1::2]):
+            assert torch.equal(forward, recomputed)
+        assert all(torch.equal(a, b) for a, b in zip(masks, solo_masks))
+        assert losses == solo_losses
+        assert all(torch.equal(a, b) for a, b in zip(grads, solo_grads))
 
 
 def test_checkpoint_recompute_on_torchs_worker_thread_draws_forwards_masks():
@@ -299,13 +310,20 @@ def test_checkpoint_recompute_on_torchs_worker_thread_draws_forwards_masks():
         return checkpointed_training(seed, lambda loss: rng._extension.run_as_worker(loss.backward),
                                      together.wait)
 
-    for (masks, losses, grads), (solo_masks, solo_losses, solo_grads) in zip(
-            in_jobs(lambda: job(1), lambda: job(2)), solo):
-        for forward, recomputed in zip(masks[0::2], masks[1::2]):
-            assert torch.equal(forward, recomputed)
-        assert all(torch.equal(a, b) for a, b in zip(masks, solo_masks))
-        assert losses == solo_losses
-        assert all(torch.equal(a, b) for a, b in zip(grads, solo_grads))
+    assert_recomputed_as_forward_and_as_solo(in_jobs(lambda: job(1), lambda: job(2)), solo)
+
+
+@pytest.mark.gpu
+def test_checkpoint_recompute_on_the_cuda_autograd_thread_draws_forwards_masks():
+    # The case itself: two jobs' backwards on torch's CUDA autograd thread, their
+    # recomputed dropout (native_dropout, a swapped draw) beside each other's.
+    solo = [checkpointed_training(seed, device="cuda") for seed in (1, 2)]
+    together = threading.Barrier(2, timeout=60)
+
+    def job(seed):
+        return checkpointed_training(seed, before_backward=together.wait, device="cuda")
+
+    assert_recomputed_as_forward_and_as_solo(in_jobs(lambda: job(1), lambda: job(2)), solo)
 
 
 # -- Python's random and numpy ------------------------------------------------------------
