@@ -107,7 +107,7 @@ def _key(sources: Sequence[Path], flags: Sequence[str], include_paths: Sequence[
     digest = hashlib.sha256()
     folders = {source.parent for source in sources} | set(include_paths)
     files = set(sources) | {f for d in folders if d.is_dir() for f in d.iterdir() if f.suffix in _SOURCE_SUFFIXES}
-    for path in sorted(files):
+    for path in sorted(files, key=lambda f: (f.parent.name, f.name)):  # not by where the checkout is
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for part in (
         *[source.name for source in sources],  # which files are compiled, in order
