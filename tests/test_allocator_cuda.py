@@ -34,6 +34,7 @@ def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path)
         sysconfig.get_paths()["include"],
         str(CUDA_HOME / "include"),
         str(source_dir()),
+        str(source_dir().parent / "common"),
     ]
     # CPU wheels ship c10/cuda headers but not this one, generated at build time;
     # CUDA wheels have it with the same content.

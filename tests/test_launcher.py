@@ -752,3 +752,24 @@ def test_a_job_waiting_for_room_is_queued_with_its_reason_not_failed(tmp_path):
     assert waited.total_seconds() > 0.1  # it waited for "early" to end
     assert result.jobs[1].extra["queued_s"] >= waited.total_seconds() - 0.01
     assert "reason" not in result.to_dict()["jobs"][1]  # ended: it waits for nothing
+
+
+def test_ctrl_c_to_the_process_group_is_handled_by_the_launcher_alone(tmp_path):
+    # A terminal's Ctrl-C (and `timeout -s INT`) reaches every process of the group,
+    # forked DataLoader workers included: they must act as under `python`
+    # (KeyboardInterrupt), not run the launcher's handler again.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wwrun", "--device", "cpu", "--log-dir", str(tmp_path),
+         str(SCRIPTS / "loader_forever.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _wait_for_line(proc, "ready", timeout=120)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.count("interrupted: stopping every job") == 1, err
+    assert "did not stop within the grace period" not in out + err

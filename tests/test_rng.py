@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +192,138 @@ def test_draws_inside_a_dispatch_mode_follow_the_job():
         torch.randn(2, generator=reference),
     ])
     assert torch.equal(in_job(job), expected)
+
+
+def in_jobs(*fns, timeout: float = 120):
+    """Run each `fn` at once in its own job thread; return their results in order."""
+    results, errors = {}, {}
+
+    def main(index, fn):
+        rng.enter_job()
+        try:
+            results[index] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors[index] = exc
+        finally:
+            rng.leave_job()
+
+    threads = [threading.Thread(target=main, args=(i, fn)) for i, fn in enumerate(fns)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a job did not finish"
+    if errors:
+        raise next(iter(errors.values()))
+    return [results[i] for i in range(len(fns))]
+
+
+def test_a_swapped_draw_waiting_for_memory_does_not_stall_another_jobs_draws():
+    # Note [Swapped draws]: job A's draw inside a dispatch mode (a swapped draw, as
+    # dropout on CUDA) waits for job B's free (rule f); B's own swapped draw goes on
+    # meanwhile, then B frees. Were the swap lock held across A's wait, B would
+    # block behind it, never free, and A would run out of memory at its bound.
+    from wwrun.memory import allocator as wwalloc
+
+    mib = 1 << 20
+    holding = threading.Event()
+
+    def job_a():
+        wwalloc.mark_job_thread("A")
+        try:
+            assert holding.wait(60)
+            torch.manual_seed(0)
+            with _Passthrough():
+                return torch.rand(30 * mib // 4)[:8].clone()  # 30 MiB: only once B frees
+        finally:
+            wwalloc.unmark_job_thread()
+
+    def job_b():
+        wwalloc.mark_job_thread("B")
+        try:
+            torch.manual_seed(1)
+            held = torch.empty(30 * mib, dtype=torch.uint8)
+            holding.set()
+            deadline = time.monotonic() + 60
+            while wwalloc.cpu_stats()["device"]["num_release_waits"] == 0:
+                assert time.monotonic() < deadline, "job A never waited for memory"
+                time.sleep(0.01)
+            with _Passthrough():
+                drawn = torch.rand(4)
+            del held
+            return drawn
+        finally:
+            wwalloc.unmark_job_thread()
+
+    wwalloc.install_cpu_allocator(40 * mib)
+    try:
+        wwalloc.cpu_set_expected_releases(["B"], timeout_s=30.0)
+        a, b = in_jobs(job_a, job_b)
+    finally:
+        wwalloc.uninstall_cpu_allocator()
+    assert torch.equal(a, torch.rand(30 * mib // 4, generator=torch.Generator().manual_seed(0))[:8])
+    assert torch.equal(b, torch.rand(4, generator=torch.Generator().manual_seed(1)))
+
+
+def checkpointed_training(seed: int, backward=lambda loss: loss.backward(), before_backward=lambda: None,
+                          device: str = "cpu"):
+    """A few steps of a block with dropout under torch.utils.checkpoint: the dropout
+    masks of each forward and of its recompute, the losses and the gradients."""
+    torch.manual_seed(seed)
+    first, second = torch.nn.Linear(16, 16).to(device), torch.nn.Linear(16, 1).to(device)
+    masks, losses = [], []
+
+    def block(x):
+        time.sleep(0.002)  # another job's recompute may restore its own RNG state now
+        hidden = torch.nn.functional.dropout(first(x), 0.5)
+        masks.append((hidden != 0).cpu())
+        return second(hidden)
+
+    for _ in range(4):
+        x = torch.randn(32, 16, device=device)
+        loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).pow(2).mean()
+        before_backward()
+        backward(loss)
+        losses.append(loss.item())
+    return masks, losses, [p.grad.cpu() for p in (*first.parameters(), *second.parameters())]
+
+
+def assert_recomputed_as_forward_and_as_solo(results, solo) -> None:
+    for (masks, losses, grads), (solo_masks, solo_losses, solo_grads) in zip(results, solo):
+        for forward, recomputed in zip(masks[0::2], masks[1::2]):
+            assert torch.equal(forward, recomputed)
+        assert all(torch.equal(a, b) for a, b in zip(masks, solo_masks))
+        assert losses == solo_losses
+        assert all(torch.equal(a, b) for a, b in zip(grads, solo_grads))
+
+
+def test_checkpoint_recompute_on_torchs_worker_thread_draws_forwards_masks():
+    # On CUDA a job's backward runs on torch's shared autograd thread, which is
+    # given the job's thread-local torch state (at::ThreadLocalState) but not its
+    # Python thread-locals, and torch.utils.checkpoint recomputes there, restoring
+    # the RNG state saved in forward. run_as_worker does what the engine does; two
+    # jobs' backwards run there at once.
+    solo = [checkpointed_training(seed) for seed in (1, 2)]
+    together = threading.Barrier(2, timeout=60)
+
+    def job(seed):
+        return checkpointed_training(seed, lambda loss: rng._extension.run_as_worker(loss.backward),
+                                     together.wait)
+
+    assert_recomputed_as_forward_and_as_solo(in_jobs(lambda: job(1), lambda: job(2)), solo)
+
+
+@pytest.mark.gpu
+def test_checkpoint_recompute_on_the_cuda_autograd_thread_draws_forwards_masks():
+    # The case itself: two jobs' backwards on torch's CUDA autograd thread, their
+    # recomputed dropout (native_dropout, a swapped draw) beside each other's.
+    solo = [checkpointed_training(seed, device="cuda") for seed in (1, 2)]
+    together = threading.Barrier(2, timeout=60)
+
+    def job(seed):
+        return checkpointed_training(seed, before_backward=together.wait, device="cuda")
+
+    assert_recomputed_as_forward_and_as_solo(in_jobs(lambda: job(1), lambda: job(2)), solo)
 
 
 # -- Python's random and numpy ------------------------------------------------------------

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.main(argv[1:])
     if argv[:1] == ["show"] and not os.path.isfile("show"):
         return _show(argv[1:])
+    from wwrun.build import BuildError
     from wwrun.launcher import EXIT_INTERRUPTED, launch, preflight
 
     args = parse_args(argv)
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
         return EXIT_INTERRUPTED
+    except BuildError as err:  # a C++ part the run needs (its message says which and why)
+        print(one_line(str(err)), file=sys.stderr)
+        return 1
     main_thread = threading.main_thread()
     if any(t.is_alive() and (t.name.startswith("wwrun:") or not t.daemon and t is not main_thread)
            for t in threading.enumerate()):

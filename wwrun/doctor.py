@@ -208,19 +208,22 @@ def _driver_version() -> str | None:
 
 
 def check_allocator(device: str) -> Check:
-    from torch.utils import cpp_extension
-
+    from wwrun import build
     from wwrun.memory import allocator
 
     kind = "cuda" if device.startswith("cuda") else "host"
-    cache = cpp_extension._get_build_directory(f"wwrun_allocator_{kind}", verbose=False)
+    cache = str(allocator.build_directory(kind))
+    figures, where = {"cache": cache}, f"cache {cache}"
+    if kind == "cuda":  # torch's guess, or /usr/local/cuda when that one has no headers
+        figures["cuda_home"], how = build.cuda_home()
+        where += f"; CUDA_HOME {figures['cuda_home']} ({how})"
     try:
         allocator._extension(kind)
     except Exception as exc:  # a compiler error is long: its last line says what failed
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         return Check("allocator build", FAIL, f"{kind} allocator: {last}",
                      "install a C++ compiler (g++) and ninja; WWRUN_BUILD_VERBOSE=1 shows the build")
-    return Check("allocator build", PASS, f"{kind} allocator built; cache {cache}", figures={"cache": cache})
+    return Check("allocator build", PASS, f"{kind} allocator built; {where}", figures=figures)
 
 
 _KERNEL_PROBE = '''\

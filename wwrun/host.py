@@ -20,20 +20,57 @@ from wwrun import isolation
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 
 
+# The handlers in place before the run's (see handle_interrupts), for forked children.
+_handlers_before_run: dict[int, object] = {}
+
+
 def handle_interrupts(handler) -> Callable[[], None]:
     """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
-    only, as Python allows); returns what puts the previous handlers back."""
+    only, as Python allows); returns what puts the previous handlers back.
+
+    Only the launcher's process runs it: a process a job forks (a DataLoader
+    worker) gets the previous handlers back at once (_restore_handlers_in_child),
+    as under `python`; a terminal's Ctrl-C reaches those workers too, and the run's
+    handler there printed its message again and stopped "every job" of a copy of
+    the launcher, holding locks that threads of the parent held at fork."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    launcher = os.getpid()
+
+    def in_launcher(signum, frame):
+        if os.getpid() == launcher:
+            handler(signum, frame)
+        elif signum == signal.SIGINT:  # a child the fork hook did not reach (os.fork from C)
+            raise KeyboardInterrupt
+        else:  # SIGTERM's default action there
+            isolation._originals.get("os._exit", os._exit)(128 + signum)
+
     for sig in previous:
-        signal.signal(sig, handler)
+        signal.signal(sig, in_launcher)
+    _handlers_before_run.update(previous)
 
     def restore():
+        _handlers_before_run.clear()
         for sig, old in previous.items():
             signal.signal(sig, old)
 
     return restore
+
+
+def _restore_handlers_in_child() -> None:
+    # After a fork the forking thread is the child's main thread: it may set handlers
+    # (through the real signal.signal: a job's thread would only record them).
+    set_handler = isolation._originals.get("signal.signal", signal.signal)
+    for sig, old in _handlers_before_run.items():
+        try:
+            set_handler(sig, old if old is not None else signal.SIG_DFL)
+        except (ValueError, TypeError, OSError):
+            pass  # not the main thread after all: in_launcher stands aside
+    _handlers_before_run.clear()
+
+
+os.register_at_fork(after_in_child=_restore_handlers_in_child)
 
 
 def thread_hex(ident: int | None) -> str:

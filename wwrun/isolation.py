@@ -62,6 +62,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from wwrun import forksafe
+
 _local = threading.local()
 _LAUNCHER_PID = os.getpid()
 _CLONE_FS = 0x00000200
@@ -101,7 +103,7 @@ class JobContext:
     path: list[str] | None = None
     """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
     rebound: dict = field(default_factory=dict)
-    load_lock: threading.RLock = field(default_factory=threading.RLock)
+    load_lock: threading.RLock = field(default_factory=forksafe.RLock)
     """Guards `modules` while the job's threads load its private modules."""
     """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     atexit_handlers: list = field(default_factory=list)
@@ -803,7 +805,7 @@ class _FirstImportLock:
     """
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = forksafe.Condition(threading.Lock())
         self._owner = None
         self._depth = 0
 
@@ -824,8 +826,16 @@ class _FirstImportLock:
                 self._cond.notify_all()
 
 
+    def after_fork_in_child(self) -> None:
+        # Only the forking thread's job lives on in a child (a DataLoader worker): an
+        # import another job was running will never end there.
+        if self._owner is not None and self._owner is not current_job():
+            self._owner, self._depth = None, 0
+
+
 _IMPORT_WAIT_S = 60.0
 _first_import_lock = _FirstImportLock()
+forksafe.after_fork_in_child(_first_import_lock.after_fork_in_child)
 
 
 def _find_and_load(name, import_):
@@ -1010,7 +1020,7 @@ class _SettingsWatch:
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = forksafe.Lock()
         self._values: dict[str, weakref.WeakKeyDictionary] = {}
         self._warned: set[str] = set()
 
@@ -1090,7 +1100,7 @@ def _watch_settings() -> None:
 
 
 _originals: dict = {}
-_install_lock = threading.Lock()
+_install_lock = forksafe.Lock()
 
 
 def install() -> None:

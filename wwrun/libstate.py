@@ -46,7 +46,7 @@ import sys
 import threading
 import weakref
 
-from wwrun import isolation
+from wwrun import forksafe, isolation
 
 
 class _PerJobFigures(collections.abc.MutableMapping):
@@ -55,7 +55,7 @@ class _PerJobFigures(collections.abc.MutableMapping):
     def __init__(self, shared: collections.OrderedDict):
         self._shared = shared
         self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+        self._lock = forksafe.Lock()
 
     def _target(self) -> collections.OrderedDict:
         job = isolation.current_job()
@@ -177,7 +177,7 @@ def _patch_pylab_helpers(module) -> None:
         module.Gcf.figs = _PerJobFigures(module.Gcf.figs)
 
 
-_TRACING = threading.RLock()
+_TRACING = forksafe.RLock()
 _tracer = threading.local()
 
 

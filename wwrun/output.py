@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from wwrun import forksafe
+
 LineSink = Callable[[str, str, str], None]
 """on_line(job_name, stream ('stdout'|'stderr'), line without its newline)"""
 
@@ -149,7 +151,7 @@ class Pump:
     def __init__(self, on_line: LineSink):
         self._display = on_line
         self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
+        self._lock = forksafe.Lock()
         self._open = 0
         self._wake_r, self._wake_w = os.pipe()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)

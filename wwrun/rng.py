@@ -16,7 +16,8 @@ threads it starts see the job's own state instead:
     numpy's legacy global state    a `numpy.random.RandomState()`      same, for `numpy.random.<fn>`
 
 Ops draw from the job's generator through a C++ extension (`csrc/rng/`, built at
-first use against the installed torch like the allocator): job threads carry a
+first use against the installed torch like the allocator, `wwrun.build`; a run
+stops with its error when it cannot be built): job threads carry a
 dispatch key whose kernel, on every op with a `Generator?` argument, replaces a
 missing (or torch's default) generator with the job's. So dropout, `randn`,
 `randperm`, `torch.nn.init`, DataLoader shuffling and `fork_rng` all follow the
@@ -36,13 +37,14 @@ directly (scikit-learn's `check_random_state(None)`).
 from __future__ import annotations
 
 import functools
-import os
 import random
 import sys
 import threading
-import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from wwrun import forksafe
 
 __all__ = ["JobRandomState", "current_state", "enter_job", "install", "leave_job", "source_dir"]
 
@@ -60,10 +62,11 @@ _CXX_FLAGS = ["-O3", "-Wall"]
 _TORCH_FUNCTIONS = ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
 
 _local = threading.local()
-_install_lock = threading.Lock()
+_install_lock = forksafe.Lock()
 _installed = False
-_extension = None  # the compiled module, or None when it could not be built
+_extension = None  # the compiled module, once installed
 _originals: dict = {}
+_by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the extension's job keys
 
 
 @dataclass(eq=False)
@@ -71,7 +74,7 @@ class JobRandomState:
     """One job's generators, shared by all its threads."""
 
     torch_cpu: object | None = None
-    """The job's `torch.Generator` (None when the extension is unavailable)."""
+    """The job's `torch.Generator`."""
     torch_cuda: list = field(default_factory=list)
     """The job's CUDA generators, by device index."""
     python: random.Random = field(default_factory=random.Random)
@@ -79,8 +82,15 @@ class JobRandomState:
 
 
 def current_state() -> JobRandomState | None:
-    """The calling thread's job state, or None outside jobs."""
-    return getattr(_local, "state", None)
+    """The calling thread's job state, or None outside jobs. A thread of torch's
+    that runs a job's work (the autograd thread in its backward on CUDA, see Note
+    [Work for a job] in csrc/rng) gets that job's."""
+    state = getattr(_local, "state", None)
+    if state is None and _extension is not None:
+        key = _extension.current_job()
+        if key:
+            state = _by_key.get(key)
+    return state
 
 
 def source_dir() -> Path:
@@ -95,15 +105,14 @@ def source_dir() -> Path:
 def enter_job() -> JobRandomState:
     """Give the calling thread (a job's main thread) fresh random state of its own."""
     install()
-    state = JobRandomState(numpy=_new_numpy_state())
-    if _extension is not None:
-        import torch
+    import torch
 
-        state.torch_cpu = torch.Generator()
-        state.torch_cpu.seed()  # as torch seeds its default generator at start-up
-        if torch.cuda.is_available():
-            _wrap_cuda_generators()
-            state.torch_cuda = [torch.Generator(device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    state = JobRandomState(numpy=_new_numpy_state())
+    state.torch_cpu = torch.Generator()
+    state.torch_cpu.seed()  # as torch seeds its default generator at start-up
+    if torch.cuda.is_available():
+        _wrap_cuda_generators()
+        state.torch_cuda = [torch.Generator(device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
     _activate(state)
     return state
 
@@ -120,11 +129,13 @@ def _activate(state: JobRandomState | None) -> None:
     if state is None:
         _extension.leave()
     else:
-        _extension.enter(state.torch_cpu, state.torch_cuda)
+        _by_key[id(state)] = state
+        _extension.enter(state.torch_cpu, state.torch_cuda, id(state))
 
 
 def install() -> None:
-    """Build the extension and put the per-job views in place (once per process)."""
+    """Build the extension and put the per-job views in place (once per process);
+    raises wwrun.build.BuildError when the extension cannot be built."""
     global _installed
     with _install_lock:
         if _installed:
@@ -133,32 +144,22 @@ def install() -> None:
         _patch_threads()
         _patch_python_random()
         _patch_numpy()
-        if _extension is not None:
-            _patch_torch()
+        _patch_torch()
         _installed = True
 
 
 def _build_extension() -> None:
+    """Builds the extension (wwrun.build) and registers its kernels. A failure is
+    raised (wwrun.build.BuildError): without it, seeded jobs would share torch's
+    generator and no longer reproduce their solo runs."""
     global _extension
-    try:
-        from torch.utils import cpp_extension
+    from wwrun import build
 
-        module = cpp_extension.load(
-            name="wwrun_rng",
-            sources=[str(source_dir() / "job_generators.cpp")],
-            extra_cflags=_CXX_FLAGS,
-            verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
-        )
-        module.register_kernels(SWAPPED_OPS)
-        _extension = module
-    except Exception as exc:  # noqa: BLE001 - no compiler, or a torch we cannot build against
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        warnings.warn(
-            f"wwrun: per-job torch generators unavailable ({first_line}); "
-            "jobs share torch's random state (Python's random and numpy's stay per job)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    src = source_dir()
+    module = build.load("wwrun_rng", [src / "job_generators.cpp"], what="wwrun's per-job random generators",
+                        extra_cflags=_CXX_FLAGS, extra_include_paths=[src.parent / "common"])
+    module.register_kernels(SWAPPED_OPS)
+    _extension = module
 
 
 # -- threads ------------------------------------------------------------------------

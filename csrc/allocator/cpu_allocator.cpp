@@ -94,9 +94,28 @@ Core& core() {
   return *core;
 }
 
-// A forked child (a DataLoader worker) has only the forking thread: locks the
-// parent's other threads held are remade, and the child goes back to the
-// previous allocator, since its memory is its own process's, not the run's.
+// fork() (a DataLoader worker) copies only the forking thread. Before it, every
+// lock is taken (in the order the free path takes them: the list, an
+// allocator, its backend), so that the child copies consistent pools and can
+// free the tensors it inherited; the parent lets them go after.
+void before_fork() {
+  cores_mutex.lock();
+  for (Core* core : all_cores) {
+    core->allocator.before_fork();
+    core->backend.before_fork();
+  }
+}
+
+void after_fork_in_parent() {
+  for (Core* core : all_cores) {
+    core->backend.after_fork_in_parent();
+    core->allocator.after_fork_in_parent();
+  }
+  cores_mutex.unlock();
+}
+
+// In the child the locks are remade, and the child goes back to the previous
+// allocator, since its memory is its own process's, not the run's.
 void after_fork_in_child() {
   for (Core* core : all_cores) {
     core->backend.reset_after_fork();
@@ -112,7 +131,7 @@ void after_fork_in_child() {
 void install(std::size_t capacity) {
   if (current_core.load() != nullptr) return;
   static std::once_flag atfork;
-  std::call_once(atfork, [] { pthread_atfork(nullptr, nullptr, &after_fork_in_child); });
+  std::call_once(atfork, [] { pthread_atfork(&before_fork, &after_fork_in_parent, &after_fork_in_child); });
   Core* core = new Core(capacity);
   {
     std::lock_guard<std::mutex> lock(cores_mutex);

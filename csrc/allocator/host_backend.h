@@ -49,6 +49,9 @@ class HostBackend : public Backend {
   std::vector<WaitRecord> waits();
   std::size_t used_bytes();
   std::size_t capacity() const { return capacity_; }
+  // Around fork(), as MemoryFlowAllocator (taken after the allocator's lock).
+  void before_fork() { mutex_.lock(); }
+  void after_fork_in_parent() { mutex_.unlock(); }
   // In a forked child: a lock another parent thread held is remade.
   void reset_after_fork() { new (&mutex_) std::mutex(); }
 

@@ -13,6 +13,7 @@
 
 #include <string>
 
+#include "wait_release.h"
 #include "waterwave_allocator.h"
 
 namespace wwrun::alloc {
@@ -27,14 +28,19 @@ inline void mark_job_thread(const std::string& job) { job_thread_mark() = job; }
 inline void unmark_job_thread() { job_thread_mark().clear(); }
 inline bool is_job_thread() { return !job_thread_mark().empty(); }
 
+// A lock the thread holds for another part of wwrun (wait_release.h: the per-job
+// generators' swap) is let go for the wait too, and taken back before the GIL: its
+// next holder may need the GIL while holding it.
 inline WaitHooks python_wait_hooks() {
   WaitHooks hooks;
   hooks.may_wait = [] { return is_job_thread(); };
   hooks.before = []() -> void* {
+    if (auto* held = wwrun::current_wait_release()) held->release();
     if (!Py_IsInitialized() || !PyGILState_Check()) return nullptr;
     return PyEval_SaveThread();
   };
   hooks.after = [](void* state) {
+    if (auto* held = wwrun::current_wait_release()) held->reacquire();
     if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
   };
   return hooks;

@@ -26,11 +26,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 
 #include <array>
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <new>
 
 #include "cuda_backend.h"
 #include "python_wait_hooks.h"
@@ -362,6 +364,29 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   }
   std::string name() override { return "wwrun"; }
 
+  // fork() (a DataLoader worker) copies only the forking thread: every core's
+  // lock is taken before it, so that the child copies consistent pools and can
+  // free the blocks its inherited tensors hold; let go in the parent, remade in
+  // the child (which cannot use CUDA, but may free).
+  void before_fork() {
+    cores_mutex_.lock();
+    for (auto& slot : cores_) {
+      if (auto* core = slot.load()) core->before_fork();
+    }
+  }
+  void after_fork_in_parent() {
+    for (auto& slot : cores_) {
+      if (auto* core = slot.load()) core->after_fork_in_parent();
+    }
+    cores_mutex_.unlock();
+  }
+  void after_fork_in_child() {
+    for (auto& slot : cores_) {
+      if (auto* core = slot.load()) core->reset_after_fork();
+    }
+    new (&cores_mutex_) std::mutex();
+  }
+
  private:
   static std::string unsupported(const char* what) {
     return std::string("wwrun allocator: ") + what + " are not supported";
@@ -415,6 +440,12 @@ void install() {
               "wwrun allocator: CUDA is already initialised in this process; install the "
               "allocator (wwrun.memory.allocator.install()) before any CUDA work");
   the_allocator = new WaterwaveCUDAAllocator();
+  static std::once_flag atfork;
+  std::call_once(atfork, [] {
+    pthread_atfork([] { if (the_allocator) the_allocator->before_fork(); },
+                   [] { if (the_allocator) the_allocator->after_fork_in_parent(); },
+                   [] { if (the_allocator) the_allocator->after_fork_in_child(); });
+  });
   c10alloc::allocator.store(the_allocator);
   // Code that asks c10's registry for the CUDA allocator must get ours too.
   c10::SetAllocator(c10::DeviceType::CUDA, the_allocator, /*priority=*/UINT8_MAX);

@@ -395,6 +395,12 @@ class MemoryFlowAllocator {
   void* segment_base(void* ptr, std::size_t* size) const;
   std::size_t largest_free_block() const;
 
+  // Around fork() (pthread_atfork, registered by the bindings): before_fork takes
+  // the lock, so that the child copies pools no thread is changing, and the
+  // parent lets it go again. The lock is never held across a wait (Note
+  // [Locking]), so taking it cannot deadlock with the forking thread.
+  void before_fork() { mutex_.lock(); }
+  void after_fork_in_parent() { mutex_.unlock(); }
   // In a forked child (pthread_atfork): the parent's other threads do not exist
   // here, so a lock one of them held is remade, and no waiter or expected
   // release survives. Only the forking thread runs, with no lock held by it.

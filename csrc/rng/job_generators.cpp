@@ -7,10 +7,15 @@
 // redispatches below the key. All other operators fall through, so threads of no
 // job, and ops that draw nothing, run exactly as before.
 //
+// The job's generators live in the thread's c10::ThreadLocalDebugInfo, which torch
+// hands, with the dispatch keys, to the threads that work for it: the autograd
+// thread running the job's backward on CUDA draws from them too, so a checkpointed
+// block recomputed there gets forward's dropout masks (Note [Work for a job]).
+//
 // A few CUDA kernels draw from the default generator without taking one as an
 // argument (native_dropout, the fused attention kernels). For those the job's state
 // is swapped into the default generator around the call, under one process-wide
-// lock (Note [Swapped draws]).
+// lock that the thread lets go while it waits for memory (Note [Swapped draws]).
 //
 // Note [Which key]
 // CustomRNGKeyId, made for custom generators, sits among the backend keys, and
@@ -36,30 +41,56 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <pthread.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <thread>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "wait_release.h"
+
 namespace {
 
 constexpr c10::DispatchKey kJobKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
-// The calling thread's job generators; empty outside job threads.
-struct ThreadGenerators {
-  bool active = false;
+// Note [Work for a job]
+// A job's generators, in the debug info of its threads (enter) and of the threads
+// torch runs their work on: at::ThreadLocalState carries debug info and dispatch
+// keys to the autograd engine's device threads for each backward, so a job's
+// backward (checkpoint recompute included) draws from them, as under `python`.
+// The slot is one torch uses only in its tests, as kJobKey is.
+struct JobGenerators final : c10::DebugInfoBase {
   std::optional<at::Generator> cpu;
   std::vector<at::Generator> cuda;  // by device index
+  std::int64_t job = 0;             // the Python side's key for the job's state
 };
-thread_local ThreadGenerators tls;
+c10::DebugInfoKind job_info_kind() { return c10::DebugInfoKind::TEST_INFO_2; }
+
+// Inside a swap the thread draws from the default generator (not propagated).
+thread_local bool swapping = false;
+// The debug info the thread had before enter(), put back by leave().
+thread_local std::shared_ptr<c10::ThreadLocalDebugInfo> before_enter;
+// The job's own threads keep theirs at hand (the debug info's lookup, a call into
+// c10, made `rand` 0.5 us slower); torch's threads look it up.
+thread_local std::shared_ptr<const JobGenerators> own;
+
+const JobGenerators* job_generators() {
+  if (swapping || !c10::impl::tls_is_dispatch_key_included(kJobKey)) return nullptr;
+  if (own) return own.get();
+  return static_cast<const JobGenerators*>(c10::ThreadLocalDebugInfo::get(job_info_kind()));
+}
 
 const c10::DispatchKeySet kBelowJobKey(c10::DispatchKeySet::FULL_AFTER, kJobKey);
 
@@ -96,10 +127,12 @@ at::Device op_device(const c10::FunctionSchema& schema, const torch::jit::Stack&
   return at::Device(at::kCPU);
 }
 
-at::Generator* job_generator(const at::Device& device) {
-  if (device.is_cpu()) return tls.cpu ? &*tls.cpu : nullptr;
-  if (device.is_cuda() && device.has_index() && device.index() < static_cast<int>(tls.cuda.size())) {
-    return &tls.cuda[device.index()];
+const at::Generator* job_generator(const at::Device& device) {
+  const JobGenerators* job = job_generators();
+  if (job == nullptr) return nullptr;
+  if (device.is_cpu()) return job->cpu ? &*job->cpu : nullptr;
+  if (device.is_cuda() && device.has_index() && device.index() < static_cast<int>(job->cuda.size())) {
+    return &job->cuda[device.index()];
   }
   return nullptr;
 }
@@ -127,7 +160,7 @@ bool tracing(const c10::FunctionSchema& schema, const torch::jit::Stack& stack) 
 
 void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
-  if (tls.active && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
+  if (!swapping && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
     const auto& schema = op.schema();
     const auto& args = schema.arguments();
     const size_t base = stack->size() - args.size();
@@ -135,7 +168,7 @@ void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet key
       if (!is_optional_generator(args[i])) continue;
       c10::IValue& given = (*stack)[base + i];
       const at::Device device = op_device(schema, *stack);
-      at::Generator* mine = job_generator(device);
+      const at::Generator* mine = job_generator(device);
       if (mine != nullptr &&
           (given.isNone() || given.toGenerator() == default_generator(device))) {
         given = c10::IValue(*mine);
@@ -155,15 +188,55 @@ void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet key
 // swap_lock so that two jobs never interleave there; substitution is off meanwhile,
 // so that every draw of the call lands in the default generator. CUDA launches are
 // asynchronous; the philox seed and offset are read on the host at launch.
+//
+// The call may allocate, and an allocation may wait for other jobs' frees (rule
+// f): the lock is let go for that wait (HeldSwap, csrc/common/wait_release.h), or
+// every other job's dropout would stall behind it, and a job whose frees the
+// waiter needs could not free. This stays exact: every swap saves the default
+// generator's state and puts it back, so the waiter's state is there again, as it
+// left it, when it has the lock back. It never blocks on the lock holding the GIL:
+// a call inside a TorchDispatchMode runs Python while holding the lock.
 std::mutex swap_lock;
+
+void lock_swap() {
+  if (swap_lock.try_lock()) return;
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    PyThreadState* saved = PyEval_SaveThread();
+    swap_lock.lock();
+    PyEval_RestoreThread(saved);
+  } else {
+    swap_lock.lock();
+  }
+}
+
+// swap_lock as one thread holds it across one call.
+struct HeldSwap final : wwrun::WaitRelease {
+  const std::thread::id owner = std::this_thread::get_id();
+  bool held = true;
+  void release() override {
+    if (held && std::this_thread::get_id() == owner) {
+      held = false;
+      swap_lock.unlock();
+    }
+  }
+  void reacquire() override {  // called without the GIL (python_wait_hooks.h)
+    if (!held && std::this_thread::get_id() == owner) {
+      swap_lock.lock();
+      held = true;
+    }
+  }
+};
 
 void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                         torch::jit::Stack* stack) {
-  if (tls.active && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
+  if (!swapping && !(keys.has(c10::DispatchKey::Python) && tracing(op.schema(), *stack))) {
     const at::Device device = op_device(op.schema(), *stack);
-    at::Generator* mine = job_generator(device);
-    if (mine != nullptr) {
-      std::lock_guard<std::mutex> serial(swap_lock);
+    const at::Generator* found = job_generator(device);
+    if (found != nullptr) {
+      std::optional<at::Generator> mine = *found;  // a reference of our own for the call
+      lock_swap();
+      auto held = std::make_shared<HeldSwap>();
+      c10::DebugInfoGuard section(wwrun::wait_release_kind(), held);
       at::Generator shared = default_generator(device);
       at::Tensor saved;
       {
@@ -172,12 +245,16 @@ void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
         shared.set_state(mine->get_state());
       }
       // Inner ops draw from the shared generator too, not from `mine` directly.
-      tls.active = false;
+      swapping = true;
       auto restore = [&] {
-        tls.active = true;
-        std::scoped_lock both(shared.mutex(), mine->mutex());
-        mine->set_state(shared.get_state());
-        shared.set_state(saved);
+        swapping = false;
+        held->reacquire();  // already held unless a wait's hook failed to take it back
+        {
+          std::scoped_lock both(shared.mutex(), mine->mutex());
+          mine->set_state(shared.get_state());
+          shared.set_state(saved);
+        }
+        held->release();
       };
       try {
         op.redispatchBoxed(keys & kBelowJobKey, stack);
@@ -271,21 +348,69 @@ std::vector<std::string> register_kernels(const std::vector<std::string>& swap_o
   return substituted;
 }
 
-// Makes the calling thread draw from these generators (cpu None: from torch's own).
-void enter(std::optional<at::Generator> cpu, std::vector<at::Generator> cuda) {
-  tls.cpu = std::move(cpu);
-  tls.cuda = std::move(cuda);
-  tls.active = true;
+void leave();
+
+// Makes the calling thread, and the threads working for it, draw from these
+// generators (cpu None: from torch's own); `job` is the Python side's key.
+void enter(std::optional<at::Generator> cpu, std::vector<at::Generator> cuda, std::int64_t job) {
+  leave();
+  auto info = std::make_shared<JobGenerators>();
+  info->cpu = std::move(cpu);
+  info->cuda = std::move(cuda);
+  info->job = job;
+  before_enter = c10::ThreadLocalDebugInfo::current();
+  c10::ThreadLocalDebugInfo::_push(job_info_kind(), info);
+  own = std::move(info);
   c10::impl::tls_set_dispatch_key_included(kJobKey, true);
 }
 
 void leave() {
   c10::impl::tls_set_dispatch_key_included(kJobKey, false);
-  tls = ThreadGenerators{};
+  if (own) {
+    c10::ThreadLocalDebugInfo::_forceCurrentDebugInfo(std::move(before_enter));
+    before_enter.reset();
+    own.reset();
+  }
 }
 
-bool entered() {
-  return tls.active && c10::impl::tls_is_dispatch_key_included(kJobKey);
+bool entered() { return own && job_generators() != nullptr; }
+
+// The key of the job the calling thread works for (its own, or the job whose
+// backward it runs), 0 for none.
+std::int64_t current_job() {
+  const JobGenerators* job = job_generators();
+  return job == nullptr ? 0 : job->job;
+}
+
+// fork() copies only the forking thread (a DataLoader worker of a job): a lock
+// another job's thread held is remade in the child.
+void after_fork_in_child() {
+  new (&swap_lock) std::mutex();
+  new (&registration_lock) std::mutex();
+}
+
+// For tests: runs `fn` on a new thread under the calling thread's
+// at::ThreadLocalState, as torch's autograd engine runs a backward on its device
+// thread (CUDA), and returns its result.
+py::object run_as_worker(py::function fn) {
+  const at::ThreadLocalState state;
+  py::object result;
+  std::exception_ptr error;
+  {
+    py::gil_scoped_release released;
+    std::thread worker([&] {
+      at::ThreadLocalStateGuard guard(state);
+      py::gil_scoped_acquire gil;
+      try {
+        result = fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+    worker.join();
+  }
+  if (error) std::rethrow_exception(error);
+  return result;
 }
 
 }  // namespace
@@ -293,7 +418,10 @@ bool entered() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "wwrun: per-job default generators (see job_generators.cpp)";
   m.def("register_kernels", &register_kernels, py::arg("swap_ops"));
-  m.def("enter", &enter, py::arg("cpu"), py::arg("cuda"));
+  m.def("enter", &enter, py::arg("cpu"), py::arg("cuda"), py::arg("job"));
   m.def("leave", &leave);
   m.def("entered", &entered);
+  m.def("current_job", &current_job);
+  m.def("run_as_worker", &run_as_worker, py::arg("fn"));
+  pthread_atfork(nullptr, nullptr, &after_fork_in_child);
 }

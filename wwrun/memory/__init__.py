@@ -23,8 +23,9 @@ PyTorch's. The engine reads each job's allocated bytes from it; the report's
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
+
+from wwrun import forksafe
 
 HOST_HEADROOM_FRACTION = 0.10
 """Without --memory-limit, the CPU allocator keeps this share of what the machine can
@@ -136,7 +137,7 @@ class Memory:
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
         self._expected_releases: set[str] = set()  # what rule f was last told
-        self._releases_lock = threading.Lock()
+        self._releases_lock = forksafe.Lock()
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
         self._closed = False
 

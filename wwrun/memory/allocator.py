@@ -1,8 +1,8 @@
 """The memory-flow allocator's Python face.
 
 The allocator itself is C++ (`csrc/allocator/`, policy a-g at the top of
-`waterwave_allocator.h`), built at first use against the installed torch with
-`torch.utils.cpp_extension.load` (cached under torch's extension folder):
+`waterwave_allocator.h`), built at first use against the installed torch (`wwrun.build`: cached under
+torch's extensions folder, keyed by the sources):
 
 - `HostAllocator`: the allocator on host memory with simulated streams and events,
   for tests and the host benchmark; needs no CUDA.
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from wwrun import build, forksafe
 
 __all__ = [
     "AllocationTrace",
@@ -85,7 +87,7 @@ CAPACITY_HEADROOM_BYTES = 512 << 20
 HEADROOM_PROBE_THREADS = 2  # threads measure_headroom warms up besides the caller
 _PROBE_WAIT_S = 120.0  # a probe thread's warm-up: first kernel loads, a Triton compile
 
-_build_lock = threading.Lock()
+_build_lock = forksafe.Lock()
 _modules: dict[str, object] = {}
 _batched_scrub_failed = False  # a launch failed once: zero at hand-out from then on
 
@@ -103,24 +105,32 @@ def source_dir() -> Path:
     )
 
 
+_WHAT = {"host": "wwrun's host allocator", "cpu": "wwrun's allocator", "cuda": "wwrun's allocator"}
+
+
+def _build_args(kind: str) -> dict:
+    src = source_dir()
+    extra = {"host": _HOST_SOURCES, "cpu": _CPU_SOURCES, "cuda": _CUDA_SOURCES}[kind]
+    return dict(
+        name=f"wwrun_allocator_{kind}",
+        sources=[src / name for name in _CORE_SOURCES + extra],
+        extra_cflags=_CXX_FLAGS,
+        extra_include_paths=[src, src.parent / "common"],
+        with_cuda=kind == "cuda",
+    )
+
+
+def build_directory(kind: str) -> Path:
+    """Where the `kind` build ("host", "cpu" or "cuda") lives (wwrun.build)."""
+    return build.build_directory(**_build_args(kind))
+
+
 def _extension(kind: str):
-    """The compiled module for `kind` ("host", "cpu" or "cuda"), built once per process
-    (and once per source change on disk)."""
+    """The compiled module for `kind` ("host", "cpu" or "cuda"), built once per machine
+    and source change (wwrun.build); raises wwrun.build.BuildError."""
     with _build_lock:
         if kind not in _modules:
-            from torch.utils import cpp_extension
-
-            src = source_dir()
-            extra = {"host": _HOST_SOURCES, "cpu": _CPU_SOURCES, "cuda": _CUDA_SOURCES}[kind]
-            names = _CORE_SOURCES + extra
-            _modules[kind] = cpp_extension.load(
-                name=f"wwrun_allocator_{kind}",
-                sources=[str(src / name) for name in names],
-                extra_cflags=_CXX_FLAGS,
-                extra_include_paths=[str(src)],
-                with_cuda=kind == "cuda",
-                verbose=os.environ.get("WWRUN_BUILD_VERBOSE") == "1",
-            )
+            _modules[kind] = build.load(**_build_args(kind), what=_WHAT[kind])
         return _modules[kind]
 
 
@@ -572,7 +582,7 @@ def _device_index(device) -> int:
 # reused once their job ended. A destroyed stream's handle can come back from
 # the driver for a new stream, which the allocator would take for the old one
 # (rule a: "stream order makes it safe") while the old one's work still runs.
-_job_streams_lock = threading.Lock()
+_job_streams_lock = forksafe.Lock()
 _idle_job_streams: dict[int, list[int]] = {}  # device -> handles of ended jobs' streams
 _made_job_streams: set[tuple[int, int]] = set()  # (device, handle) made here
 _job_stream_of: dict[tuple[int, str], list[int]] = {}  # (device, job) -> its handles
@@ -606,7 +616,7 @@ def register_stream(stream, job: str, memory_limit: int | None = None) -> None:
 
 
 _scrub_streams: dict[int, torch.cuda.ExternalStream] = {}
-_scrub_streams_lock = threading.Lock()
+_scrub_streams_lock = forksafe.Lock()
 
 
 def _scrub_stream(device: int) -> torch.cuda.ExternalStream:

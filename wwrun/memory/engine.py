@@ -76,7 +76,7 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 
-from wwrun import libstate
+from wwrun import forksafe, libstate
 from wwrun.memory.nodegroups import Node, Plan, explain_plan, make_plan
 from wwrun.memory.scheduler import Decision, Scheduler
 from wwrun.memory.trace import Timeline
@@ -236,7 +236,7 @@ class Engine:
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._meter_of = meter
         self._largest_block = largest_block
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = forksafe.Condition(forksafe.RLock())
         self._jobs: dict[str, _Job] = {}
         self._total = 0
         self._sentinels = 0  # group sentinels made (their keys)

@@ -10,7 +10,8 @@ Format", Google, https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH
 from __future__ import annotations
 
 import json
-import threading
+
+from wwrun import forksafe
 
 from wwrun.config import format_size
 
@@ -27,7 +28,7 @@ class Timeline:
         self.tracks: dict[str, int] = {}
         self.events: list[dict] = []
         self.samples: list[tuple[float, str, int]] = []  # (t, job, bytes)
-        self._lock = threading.Lock()
+        self._lock = forksafe.Lock()
 
     def track(self, job: str) -> int:
         return self.tracks.setdefault(job, len(self.tracks) + 1)

@@ -1,0 +1,169 @@
+"""wwrun.build: C++ parts are built once per source, under a lock a dead builder
+cannot keep, with a line while they build and a hard error when they cannot be.
+
+The extensions here are tiny (Python's C API only): each builds in about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from wwrun import build
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = textwrap.dedent("""\
+    #include <Python.h>
+    static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(ANSWER); }
+    static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr}, {nullptr}};
+    static PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, methods};
+    PyMODINIT_FUNC PyInit_tiny(void) { return PyModule_Create(&def); }
+""")
+LOAD = "from wwrun import build; print(build.load('tiny', [{src!r}], what='the tiny part').answer())"
+
+
+def tiny_tree(where: Path, answer: int = 42) -> Path:
+    where.mkdir(parents=True)
+    source = where / "tiny.cpp"
+    source.write_text(f"#define ANSWER {answer}\n" + TINY)
+    return source
+
+
+@pytest.fixture
+def extensions(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    return root
+
+
+def load_in_child(source: Path, timeout: float = 180, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", LOAD.format(src=str(source))],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+    )
+
+
+def test_identical_sources_share_one_build_and_different_ones_do_not(tmp_path, extensions):
+    first, second = tiny_tree(tmp_path / "checkout_a"), tiny_tree(tmp_path / "checkout_b")
+    other = tiny_tree(tmp_path / "checkout_c", answer=7)
+    folder = build.build_directory("tiny", [first])
+    assert build.build_directory("tiny", [second]) == folder
+    assert build.build_directory("tiny", [other]) != folder
+    assert build.build_directory("tiny", [first], extra_cflags=["-O0"]) != folder
+    assert folder.parent == extensions
+
+    built = load_in_child(first)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.split() == ["42"]
+    assert "wwrun: building the tiny part (first run only) ..." in built.stderr
+
+    reused = load_in_child(second)  # another checkout, same sources: nothing rebuilt
+    assert reused.returncode == 0, reused.stderr
+    assert reused.stdout.split() == ["42"]
+    assert "building" not in reused.stderr
+
+    different = load_in_child(other)
+    assert different.returncode == 0, different.stderr
+    assert different.stdout.split() == ["7"]
+    assert "building the tiny part" in different.stderr
+    assert load_in_child(first).stdout.split() == ["42"]  # the first build is still there
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(tmp_path, extensions):
+    source = tiny_tree(tmp_path / "src")
+    folder = build.build_directory("tiny", [source])
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # torch's own lock file, as a killed build leaves it
+    done = load_in_child(source, timeout=120)  # torch alone would wait forever
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["42"]
+
+
+def test_a_builder_killed_mid_build_does_not_block_the_next(tmp_path, extensions):
+    source = tiny_tree(tmp_path / "src")
+    folder = build.build_directory("tiny", [source])
+    started = tmp_path / "compiler-started"
+    stuck_compiler = tmp_path / "stuck-c++"
+    stuck_compiler.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 600\n")
+    stuck_compiler.chmod(0o755)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", LOAD.format(src=str(source))],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "CXX": str(stuck_compiler)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert builder.poll() is None, builder.stderr.read()
+            assert time.monotonic() < deadline, "the builder never reached its compiler"
+            time.sleep(0.1)
+        assert (folder / "lock").exists()  # torch's lock file, held mid-build
+
+        waiter = load_in_child(source, timeout=60, WWRUN_BUILD_WAIT_S="1")
+        assert waiter.returncode != 0
+        assert f"process {builder.pid} still builds the tiny part" in waiter.stderr
+        assert "BuildError" in waiter.stderr
+    finally:
+        os.killpg(builder.pid, signal.SIGKILL)
+        builder.wait(timeout=30)
+        builder.stderr.close()
+
+    assert (folder / "lock").exists()  # left behind, as by a double Ctrl-C
+    done = load_in_child(source, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["42"]
+
+
+def test_a_part_that_does_not_compile_is_a_clear_error(tmp_path, extensions):
+    source = tmp_path / "broken.cpp"
+    source.write_text("#include <Python.h>\nint broken( {\n")
+    with pytest.raises(build.BuildError) as failure:
+        build.load("broken", [source], what="the broken part")
+    message = str(failure.value)
+    assert message.startswith("wwrun: could not build the broken part in ")
+    assert "error" in message.split(": ", 2)[2]  # the compiler's own line
+    assert "WWRUN_BUILD_VERBOSE=1" in message
+
+
+def test_rng_refuses_to_run_without_its_extension(tmp_path, extensions, monkeypatch):
+    from wwrun import rng
+
+    broken = tmp_path / "rng"
+    broken.mkdir()
+    (broken / "job_generators.cpp").write_text("#error not today\n")
+    monkeypatch.setattr(rng, "source_dir", lambda: broken)
+    monkeypatch.setattr(rng, "_extension", None)
+    with pytest.raises(build.BuildError, match="per-job random generators.*not today"):
+        rng._build_extension()
+    assert rng._extension is None
+
+
+def test_cuda_home_falls_back_to_the_toolkit_when_nvcc_is_a_wrapper(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime_api.h").touch()
+    wrapper_home = tmp_path / "usr"  # /usr/bin/nvcc, a wrapper: /usr has no CUDA headers
+    (wrapper_home / "include").mkdir(parents=True)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build, "TOOLKIT_DEFAULT", toolkit)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(wrapper_home))
+    home, how = build.cuda_home()
+    assert home == str(toolkit)
+    assert str(wrapper_home) in how and "no CUDA headers" in how
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    assert build.cuda_home() == (str(toolkit), "found by torch")
+    monkeypatch.setenv("CUDA_HOME", str(wrapper_home))  # the user's word stands
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(wrapper_home))
+    assert build.cuda_home() == (str(wrapper_home), "from the environment")

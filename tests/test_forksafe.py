@@ -1,0 +1,78 @@
+"""fork() from a job while other threads hold wwrun's locks (DataLoader workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from wwrun import forksafe
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
+STRESS_LOADERS = int(os.environ.get("WWRUN_FORK_STRESS_LOADERS", "100"))
+"""DataLoaders (of 2 forked workers each) in the stress test: about 30 s here on a
+loaded 2-core machine; raise it for a soak run (WWRUN_FORK_STRESS_LOADERS=2000)."""
+
+
+def child_can_take(lock, hold_in_other_thread: bool) -> int:
+    """Fork while (another thread) holds `lock`; the child's exit code: 0 if it
+    could take the lock within 5 s, 1 if not."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    if hold_in_other_thread:
+        thread.start()
+        assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if lock.acquire(timeout=5) else 1)
+    release.set()
+    if hold_in_other_thread:
+        thread.join(30)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_lock_another_thread_held_at_fork_is_free_in_the_child():
+    for make in (forksafe.Lock, forksafe.RLock, forksafe.Condition):
+        assert child_can_take(make(), True) == 0, make
+
+
+def test_an_rlock_the_forking_thread_holds_stays_its_own_in_the_child():
+    lock = forksafe.RLock()
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                lock.release()  # what the forking thread's `with` does on its way out
+                os._exit(0)
+            except RuntimeError:
+                os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_dataloader_workers_forked_while_other_jobs_allocate_draw_print_and_import(tmp_path):
+    """Not a benchmark: hundreds of forks; every job must finish (a worker that
+    inherited a held lock never would)."""
+    script = str(SCRIPTS / "fork_stress.py")
+    argv = [sys.executable, "-m", "wwrun", "--device", "cpu", "--log-dir", str(tmp_path / "logs"),
+            "--report", str(tmp_path / "report.json"), script, "loader", str(STRESS_LOADERS), str(tmp_path)]
+    for role in ("allocate", "draw", "print", "import"):
+        argv += [":", script, role, str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120 + STRESS_LOADERS,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [job["state"] for job in report["jobs"]] == ["succeeded"] * 5
+    assert f"loader: {STRESS_LOADERS} loaders, {2 * STRESS_LOADERS} forks" in done.stdout
+    assert done.stdout.count("finished") == 5
