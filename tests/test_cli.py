@@ -303,4 +303,13 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert re.search(r"^commands:\n  wwrun doctor \[--full\] +\S.*\n  wwrun show \[RUN\] \[--log-dir DIR\] +\S", out, re.M)
+    assert re.search(r"^commands:\n  wwrun doctor \[--full\] +\S.*\n  wwrun show \[RUN\] \[--log-dir DIR\] +\S.*\n"
+                     r"  wwrun build +\S", out, re.M)
+
+
+def test_build_makes_every_part_ahead_of_a_run():
+    from wwrun.memory import allocator
+
+    assert main(["build"]) == 0
+    for kind in ("host", "cpu"):
+        assert any(allocator.build_directory(kind).glob("*.so")), kind

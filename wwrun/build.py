@@ -22,7 +22,7 @@ the folder by name only (two checkouts rebuild each other's extension in turn).
 
 Not built at install time: pip builds a package in an isolated environment without
 the user's torch (`pip install -e .` builds nothing at all), and the library must
-match the torch it is loaded into. `python -m wwrun.build` builds every part ahead
+match the torch it is loaded into. `wwrun build` builds every part ahead
 (for an image or a CI cache).
 """
 
@@ -260,24 +260,3 @@ class _BuildLock:
         except OSError:
             pid = ""
         return f"process {pid}" if pid.isdigit() else "another process"
-
-
-def main() -> int:
-    """`python -m wwrun.build`: build every part this machine can use, ahead of a run."""
-    import torch
-
-    from wwrun import rng
-    from wwrun.memory import allocator
-
-    try:
-        for kind in ("host", "cpu") + (("cuda",) if torch.version.cuda else ()):
-            allocator._extension(kind)
-        rng._build_extension()
-    except BuildError as err:
-        print(err, file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

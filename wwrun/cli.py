@@ -5,6 +5,7 @@
     wwrun [options] recipe.yaml [options]    (or -c recipe.yaml)
     wwrun doctor [--full]                    what wwrun will use here, and whether it works
     wwrun show [RUN] [--log-dir DIR]         a past run's summary (default: the latest)
+    wwrun build                              build the C++ parts ahead of a run (an image, a CI cache)
 
 Jobs are separated by ':' (MPI's MPMD convention). Everything after a script's name
 belongs to that script, so wwrun's own options come first; after a recipe (a .yaml,
@@ -79,7 +80,8 @@ def is_recipe(path: str) -> bool:
 
 COMMANDS = """commands:
   wwrun doctor [--full]             what wwrun will use here, and whether it works
-  wwrun show [RUN] [--log-dir DIR]  a past run's summary (default: the latest run)"""
+  wwrun show [RUN] [--log-dir DIR]  a past run's summary (default: the latest run)
+  wwrun build                       build the C++ parts ahead of a run (an image, a CI cache)"""
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -224,6 +226,26 @@ def _show(argv: list[str]) -> int:
     return show_run(args.run, log_root=args.log_dir)
 
 
+def _build(argv: list[str]) -> int:
+    """`wwrun build`: build every C++ part this machine can use, ahead of a run."""
+    import torch
+
+    from wwrun import rng
+    from wwrun.build import BuildError
+    from wwrun.memory import allocator
+
+    _Parser(prog="wwrun build", description="Build wwrun's C++ parts against the installed torch, "
+            "ahead of a run (for an image or a CI cache).").parse_args(argv)
+    try:
+        for kind in ("host", "cpu") + (("cuda",) if torch.version.cuda else ()):
+            allocator._extension(kind)
+        rng._build_extension()
+    except BuildError as err:
+        print(one_line(str(err)), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"] and not os.path.isfile("doctor"):
@@ -232,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return doctor.main(argv[1:])
     if argv[:1] == ["show"] and not os.path.isfile("show"):
         return _show(argv[1:])
+    if argv[:1] == ["build"] and not os.path.isfile("build"):
+        return _build(argv[1:])
     from wwrun.build import BuildError
     from wwrun.launcher import EXIT_INTERRUPTED, launch, preflight
 
