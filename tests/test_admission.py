@@ -106,3 +106,13 @@ def test_a_small_job_runs_beside_a_large_one_when_it_fits(tmp_path):
     large = spans["char-transformer"]
     overlapping = [s for s in spans["mlp"] if any(s[0] < end and start < s[1] for start, end in large)]
     assert len(overlapping) >= 10, "the MLP waited while the transformer ran"
+
+
+def test_evaluation_passes_take_turns_when_two_would_not_fit(tmp_path):
+    """A no_grad evaluation keeps nothing for backward, but its temporaries (64 MiB
+    here, its training iterations a few KiB) do not fit twice under the limit: it
+    waits for room as a training pass does, instead of running out of memory."""
+    job = (str(SCRIPTS / "evaluating.py"), ["6", "32"])
+    result = _launch(_jobs(job, job, job), tmp_path, memory_limit=100 * MiB)
+    _all_finish_within(result, 100 * MiB)
+    assert all(job.extra["peak_memory_bytes"] > 60 * MiB for job in result.jobs)  # two would not fit

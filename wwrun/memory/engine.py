@@ -48,16 +48,23 @@ counts persistent tensors and saved activations itself, as the groups' targets.
 The allocator enforces the budget (a job that would overrun it waits for the
 frees other jobs' backward is about to make, rule f, then fails alone); the engine
 plans so that it need not. Three things are measured only as they happen: a
-profiling pass (it checks after each module call, so it may overshoot by one
-module's memory before it waits; its backward and step, unmeasured until they end,
-run with no other pass started beside them: the claim reaches the scheduler when
-the iteration ends, `_end_profile`), a newcomer's model (built by its script before
-wwrun sees it; a job is admitted only when one like the smallest seen so far would
-fit) and optimizer state beyond the guess made before the first step (Adam's two
-buffers per parameter). Gradients are reserved when the model is found.
+profiling pass (it checks after each module call and asks for room for the next
+module to grow as much as the largest growth so far; its backward and step,
+unmeasured until they end, run with no other pass started beside them: the claim
+reaches the scheduler when the iteration ends, `_end_profile`), a newcomer's model
+and data (built by its script before wwrun sees it, counted at its first pass; a
+job is admitted only when a model as small as the smallest seen so far leaves room
+for every running job's iteration) and optimizer state beyond the guess made before
+the first step (Adam's two buffers per parameter). Gradients are reserved when the
+model is found. A newcomer's first pass asks for the claim of a settled job with the
+same parameters and inputs (one of a sweep) before it starts, so that alike jobs
+wait for room rather than start a pass that cannot finish.
+
+Passes under `no_grad` keep nothing for backward, but their temporaries take memory
+(an evaluation set in one batch): each waits for the job's claim, and the first of an
+input signature is measured as a profile is (`_begin_evaluation`).
 
 Limitations: models first called after a job's first optimizer step are not found;
-forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
 gated but its activations are not counted, so as not to defeat those hooks.
 """
@@ -116,6 +123,7 @@ class _Model:
     label: str  # for the report: the class name, numbered when a job has several
     plans: dict[tuple, Plan] = field(default_factory=dict)
     entries: set[str] = field(default_factory=set)  # names of modules that start a group
+    evaluated: set[tuple] = field(default_factory=set)  # signatures of its measured no_grad passes
 
 
 @dataclass(eq=False)
@@ -173,6 +181,7 @@ class _Job:
     # A profiled pass's claim, told the scheduler once its iteration is over: until
     # then its backward and step, still unmeasured, run with no other pass beside them.
     profile_claim: int | None = None
+    evaluating: tuple | None = None  # the no_grad pass in progress: (model, signature, baseline or None)
 
 
 class _Saved:
@@ -432,6 +441,8 @@ class Engine:
             return
         if job.discovering:
             self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        if job.evaluating is not None and job.evaluating[0].module is module:
+            self._end_evaluation(job)
         current = job.current
         if current is None:
             return
@@ -471,6 +482,8 @@ class Engine:
                 with self._cond:
                     self.scheduler.end_profile(job.name, 0)
                     self._cond.notify_all()
+            elif state is not None and job.meter is not None and job.evaluating is None and model in job.models:
+                self._begin_evaluation(job, model, _signature(args, kwargs))
             return
         if torch._C._current_graph_task_id() != -1:
             return  # a forward re-run inside backward (checkpointing): never block there
@@ -506,6 +519,31 @@ class Engine:
             lambda t: self._pack(job, t), _unpack
         )
         current.saved_hooks.__enter__()
+
+    def _begin_evaluation(self, job: _Job, model: _Model, signature: tuple) -> None:
+        """A no_grad pass keeps nothing for backward, but its temporaries (a whole
+        evaluation set in one batch) take memory: it waits for the job's claim. The
+        first of an input signature is measured as a profile is, with no other job's
+        pass started beside it; the claim then covers it."""
+        first = signature not in model.evaluated
+        self._gate(job, 0, target=job.claim, pass_start=True, profile=first)
+        baseline = self._read(job, restart=True) if first else None
+        job.evaluating = (model, signature, baseline)
+
+    def _end_evaluation(self, job: _Job) -> None:
+        model, signature, baseline = job.evaluating
+        job.evaluating = None
+        with self._cond:
+            if baseline is not None:
+                now, peak = job.meter(True)
+                job.iter_peak = max(job.iter_peak, peak)
+                job.claim = max(job.claim, peak - max(baseline, now))
+                model.evaluated.add(signature)
+                state = self.scheduler.jobs.get(job.name)
+                if state is not None:
+                    self.scheduler.end_profile(job.name, job.claim, settled=False)
+            job.reserved = 0  # it keeps nothing
+            self._report_held(job)
 
     def _root_post(self, model: _Model) -> None:
         job = self._job()
