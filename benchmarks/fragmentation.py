@@ -13,9 +13,9 @@ wwrun's launcher (`wwrun --device cpu --memory-limit L job : job ...`) under
 
 Reported: jobs lost (target 0), each classified by its error: `admission` when the
 jobs the engine let in held more than the limit allows (device allocated + the request
-over the limit, or rule f's "gives way", or the engine's own refusal), `fragmentation`
-when the bytes were there but not in one piece (device allocated + request within the
-limit: the allocator's). Also allocated / reserved at the run's peak (target >= 0.95)
+over the limit, as the allocator's message says at its decision, also for rule f's
+"gives way"), or the engine refused it; `fragmentation` when the bytes were there but
+not in one piece (device allocated + request within the limit: the allocator's). Also allocated / reserved at the run's peak (target >= 0.95)
 and the waterwave / sequential wall time. Prints the figures, then LAST one JSON
 object on one line.
 
@@ -126,8 +126,8 @@ def classify(error: str | None, limit: int) -> str | None:
     in one piece: the allocator's) or 'other'."""
     if error is None:
         return None
-    if "gives way" in error or "does not fit beside" in error or "cannot fit even alone" in error:
-        return "admission"
+    if "does not fit beside" in error or "cannot fit even alone" in error:
+        return "admission"  # the engine's own refusal
     request = re.search(r"tried to allocate " + _SIZE, error)
     device = re.search(r"Device: " + _SIZE + r" reserved, " + _SIZE + r" allocated", error)
     if request is None or device is None:
