@@ -144,8 +144,8 @@ class Scheduler:
         return persistent + max(j.claim for j in active) <= budget
 
     def alike_claim(self, name: str, kind: object) -> int:
-        """The claim of a settled job of the same `kind` (the engine's: the bytes of
-        its parameters), the guess for a newcomer's first pass; 0 if none."""
+        """The claim of a settled job of the same `kind` (the engine's: its parameters'
+        bytes and its input signature), the guess for a newcomer's first pass; 0 if none."""
         self.jobs[name].kind = kind
         return min((c for _, c, k in self._sizes.values() if k == kind), default=0)
 
