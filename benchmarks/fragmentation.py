@@ -15,9 +15,10 @@ Reported: jobs lost (target 0), each classified by its error: `admission` when t
 jobs the engine let in held more than the limit allows (device allocated + the request
 over the limit, as the allocator's message says at its decision, also for rule f's
 "gives way"), or the engine refused it; `fragmentation` when the bytes were there but
-not in one piece (device allocated + request within the limit: the allocator's). Also allocated / reserved at the run's peak (target >= 0.95)
-and the waterwave / sequential wall time. Prints the figures, then LAST one JSON
-object on one line.
+not in one piece (device allocated + request within the limit: the allocator's).
+Also allocated / reserved at the run's peak (target >= 0.95) and the waterwave /
+sequential wall time of the runs that lost nothing. Prints the figures, then LAST one
+JSON object on one line.
 
 --loop N runs the quickstart (recipes/quickstart.yaml under 1.15x its largest job's
 allocated peak in a --policy concurrent run) and three copies of a job whose forward
@@ -187,7 +188,8 @@ def scenario_loop(runs: int) -> dict:
             lost_runs += bool(errors)
             kinds += [classify(e, result.extra["memory_limit_bytes"]) for e in errors]
             over += result.extra["peak_reserved_bytes"] > result.extra["memory_limit_bytes"]
-        figures[name] = {"runs": runs, "runs_losing_a_job": lost_runs, "lost_by": {k: kinds.count(k) for k in set(kinds)},
+        figures[name] = {"runs": runs, "runs_losing_a_job": lost_runs,
+                         "lost_by": {k: kinds.count(k) for k in set(kinds)},
                          "runs_reserving_over_the_limit": over}
         print(f"{name}: {lost_runs} of {runs} runs lost a job {figures[name]['lost_by']}", flush=True)
     return figures

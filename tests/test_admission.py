@@ -79,7 +79,8 @@ def test_random_oversubscribed_mixes_lose_no_job(tmp_path, limit, fraction, seed
              for args in jobs]
     assert max(peaks) <= limit / frag.MARGIN and 1.3 * limit <= sum(peaks) <= 3 * limit
     result = _launch(_jobs(*[(frag.JOB_SCRIPT, args) for args in jobs]), tmp_path, memory_limit=limit)
-    lost = {job.name: (frag.classify(job.error, limit), job.error) for job in result.jobs if job.state.value != "succeeded"}
+    lost = {job.name: (frag.classify(job.error, limit), job.error)
+            for job in result.jobs if job.state.value != "succeeded"}
     assert not lost, lost
     assert result.extra["peak_reserved_bytes"] <= limit
 

@@ -181,7 +181,7 @@ class _Job:
     # A profiled pass's claim, told the scheduler once its iteration is over: until
     # then its backward and step, still unmeasured, run with no other pass beside them.
     profile_claim: int | None = None
-    evaluating: tuple | None = None  # the no_grad pass in progress: (model, signature, baseline or None)
+    evaluating: tuple | None = None  # a no_grad pass: (model, signature, baseline or None, reserved before)
 
 
 class _Saved:
@@ -526,12 +526,13 @@ class Engine:
         first of an input signature is measured as a profile is, with no other job's
         pass started beside it; the claim then covers it."""
         first = signature not in model.evaluated
-        self._gate(job, 0, target=job.claim, pass_start=True, profile=first)
+        kept = job.reserved  # between a forward and its backward: what the backward needs
+        self._gate(job, 0, target=max(job.claim, kept), pass_start=True, profile=first)
         baseline = self._read(job, restart=True) if first else None
-        job.evaluating = (model, signature, baseline)
+        job.evaluating = (model, signature, baseline, kept)
 
     def _end_evaluation(self, job: _Job) -> None:
-        model, signature, baseline = job.evaluating
+        model, signature, baseline, kept = job.evaluating
         job.evaluating = None
         with self._cond:
             if baseline is not None:
@@ -542,7 +543,7 @@ class Engine:
                 state = self.scheduler.jobs.get(job.name)
                 if state is not None:
                     self.scheduler.end_profile(job.name, job.claim, settled=False)
-            job.reserved = 0  # it keeps nothing
+            job.reserved = kept  # it keeps nothing
             self._report_held(job)
 
     def _root_post(self, model: _Model) -> None:
