@@ -57,10 +57,13 @@ def test_the_quickstart_under_1_15x_its_largest_job_finishes(tmp_path):
 
 
 def test_three_jobs_each_making_a_120mib_temporary_take_turns_under_200mib(tmp_path):
+    """One temporary fits at a time. Three runs: a job ending while the next one's
+    first large request waits is a race (lost in half the runs of a loop)."""
     job = (str(SCRIPTS / "big_temporary.py"), ["40", "120"])
-    result = _launch(_jobs(job, job, job), tmp_path, memory_limit=200 * MiB)
-    _all_finish_within(result, 200 * MiB)
-    assert all(job.extra["peak_memory_bytes"] > 120 * MiB for job in result.jobs)  # one at a time fits
+    for _ in range(3):
+        result = _launch(_jobs(job, job, job), tmp_path, memory_limit=200 * MiB)
+        _all_finish_within(result, 200 * MiB)
+        assert all(job.extra["peak_memory_bytes"] > 120 * MiB for job in result.jobs)  # one at a time fits
 
 
 # A few cells of the benchmark's grid: (limit, largest tensor's share of it, seed).
