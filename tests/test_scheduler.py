@@ -300,3 +300,27 @@ def test_newcomers_wait_until_the_running_jobs_optimizer_state_is_known():
     assert not sched.try_start("b"), "400 + 400 + 300 > 1000: a second job like a does not fit"
     sched.finish("a")
     assert sched.try_start("b")
+
+
+def test_a_newcomer_alike_a_settled_job_waits_for_its_claim_before_its_first_pass():
+    """Admission guesses a newcomer's model only; its first pass asks for the claim of
+    a settled job of its kind (the engine's: same parameters and inputs), so it waits
+    holding its model rather than start a pass that cannot finish beside the others."""
+    sched = Scheduler(1000)
+    sched.enqueue("a")
+    assert sched.try_start("a")
+    assert sched.alike_claim("a", "mlp-64") == 0  # nothing settled yet: measured as it goes
+    assert sched.request_persistent("a", 100) is Decision.GRANT
+    assert sched.request("a", 600, pass_start=True, profile=True) is Decision.GRANT
+    sched.release("a", 0)
+    sched.end_profile("a", 600)
+    sched.enqueue("b")
+    assert sched.try_start("b"), "100 + 100 + 600 <= 1000: b's model fits beside a's iteration"
+    assert sched.alike_claim("b", "mlp-64") == 600
+    assert sched.alike_claim("b", "cnn") == 0
+    assert sched.request_persistent("b", 100) is Decision.GRANT
+    assert sched.request("a", 600, pass_start=True) is Decision.GRANT
+    # 100 + 100 + 600 + 600 > 1000: b's first pass waits for a's backward.
+    assert sched.request("b", 600, pass_start=True, profile=True) is Decision.WAIT
+    sched.release("a", 0)
+    assert sched.request("b", 600, pass_start=True, profile=True) is Decision.GRANT

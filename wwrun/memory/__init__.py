@@ -416,20 +416,20 @@ class JobMemory:
         current = memory._sessions.get(self.name) is self
         if current:
             del memory._sessions[self.name]
-            if memory.engine is not None:
-                memory.engine.job_finished(self.name)
-        if not self._bound:
-            return
-        self._bound = False
-        from wwrun.memory import allocator
+        if self._bound:
+            self._bound = False
+            from wwrun.memory import allocator
 
-        allocator.unmark_job_thread()
-        if not current:
-            return
-        if memory.device == "cuda":
-            allocator.unregister_job(self.name)
-        else:
-            allocator.cpu_unregister_job(self.name)
-            # What it left cached goes back to the machine (a sweep's queue would
-            # otherwise keep every ended job's high-water mark).
-            allocator.cpu_empty_cache()
+            allocator.unmark_job_thread()
+            if current and memory.device == "cuda":
+                allocator.unregister_job(self.name)
+            elif current:
+                allocator.cpu_unregister_job(self.name)
+                # What it left cached goes back to the machine (a sweep's queue would
+                # otherwise keep every ended job's high-water mark).
+                allocator.cpu_empty_cache()
+        # Only now do the waiting jobs wake: told while the allocator still held the
+        # job's segments, the next job's first large request found the limit reached
+        # and nobody left to wait for ("no free memory left" with 2 MiB reserved).
+        if current and memory.engine is not None:
+            memory.engine.job_finished(self.name)

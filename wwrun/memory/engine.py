@@ -48,16 +48,23 @@ counts persistent tensors and saved activations itself, as the groups' targets.
 The allocator enforces the budget (a job that would overrun it waits for the
 frees other jobs' backward is about to make, rule f, then fails alone); the engine
 plans so that it need not. Three things are measured only as they happen: a
-profiling pass (it checks after each module call, so it may overshoot by one
-module's memory before it waits; its backward and step, unmeasured until they end,
-run with no other pass started beside them: the claim reaches the scheduler when
-the iteration ends, `_end_profile`), a newcomer's model (built by its script before
-wwrun sees it; a job is admitted only when one like the smallest seen so far would
-fit) and optimizer state beyond the guess made before the first step (Adam's two
-buffers per parameter). Gradients are reserved when the model is found.
+profiling pass (it checks after each module call and asks for room for the next
+module to grow as much as the largest growth so far; its backward and step,
+unmeasured until they end, run with no other pass started beside them: the claim
+reaches the scheduler when the iteration ends, `_end_profile`), a newcomer's model
+and data (built by its script before wwrun sees it, counted at its first pass; a
+job is admitted only when a model as small as the smallest seen so far leaves room
+for every running job's iteration) and optimizer state beyond the guess made before
+the first step (Adam's two buffers per parameter). Gradients are reserved when the
+model is found. A newcomer's first pass asks for the claim of a settled job with the
+same parameters and inputs (one of a sweep) before it starts, so that alike jobs
+wait for room rather than start a pass that cannot finish.
+
+Passes under `no_grad` keep nothing for backward, but their temporaries take memory
+(an evaluation set in one batch): each waits for the job's claim, and the first of an
+input signature is measured as a profile is (`_begin_evaluation`).
 
 Limitations: models first called after a job's first optimizer step are not found;
-forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
 gated but its activations are not counted, so as not to defeat those hooks.
 """
@@ -116,6 +123,7 @@ class _Model:
     label: str  # for the report: the class name, numbered when a job has several
     plans: dict[tuple, Plan] = field(default_factory=dict)
     entries: set[str] = field(default_factory=set)  # names of modules that start a group
+    evaluated: set[tuple] = field(default_factory=set)  # signatures of its measured no_grad passes
 
 
 @dataclass(eq=False)
@@ -130,6 +138,8 @@ class _Pass:
     node_names: dict = field(default_factory=dict)  # while profiling: submodule -> its name
     saved_hooks: object = None
     sentinel_hooks: tuple | None = None  # measured steady state: our pushed (pack, unpack)
+    profile_held: int = 0  # while profiling: held when the latest module began
+    profile_step: int = 0  # while profiling: the most one module grew above that
 
 
 @dataclass(eq=False)
@@ -171,6 +181,7 @@ class _Job:
     # A profiled pass's claim, told the scheduler once its iteration is over: until
     # then its backward and step, still unmeasured, run with no other pass beside them.
     profile_claim: int | None = None
+    evaluating: tuple | None = None  # a no_grad pass: (model, signature, baseline or None, reserved before)
 
 
 class _Saved:
@@ -430,6 +441,8 @@ class Engine:
             return
         if job.discovering:
             self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        if job.evaluating is not None and job.evaluating[0].module is module:
+            self._end_evaluation(job)
         current = job.current
         if current is None:
             return
@@ -448,8 +461,11 @@ class Engine:
             job.models.append(model)
             job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
         measured, missing_grads = self._measure_persistent(job)
+        # Everything the script made before its first pass (its data too) stays:
+        # with the allocator's figure, the newcomer's bytes are known before it grows.
+        live = job.meter(False)[0] if job.meter is not None else measured
         with self._cond:  # requested (and waited for) before the model's first pass
-            job.persistent_reserved = max(job.persistent_reserved, measured + missing_grads)
+            job.persistent_reserved = max(job.persistent_reserved, max(measured, live) + missing_grads)
         return model
 
     # ---- passes -----------------------------------------------------------------------
@@ -466,6 +482,8 @@ class Engine:
                 with self._cond:
                     self.scheduler.end_profile(job.name, 0)
                     self._cond.notify_all()
+            elif state is not None and job.meter is not None and job.evaluating is None and model in job.models:
+                self._begin_evaluation(job, model, _signature(args, kwargs))
             return
         if torch._C._current_graph_task_id() != -1:
             return  # a forward re-run inside backward (checkpointing): never block there
@@ -501,6 +519,32 @@ class Engine:
             lambda t: self._pack(job, t), _unpack
         )
         current.saved_hooks.__enter__()
+
+    def _begin_evaluation(self, job: _Job, model: _Model, signature: tuple) -> None:
+        """A no_grad pass keeps nothing for backward, but its temporaries (a whole
+        evaluation set in one batch) take memory: it waits for the job's claim. The
+        first of an input signature is measured as a profile is, with no other job's
+        pass started beside it; the claim then covers it."""
+        first = signature not in model.evaluated
+        kept = job.reserved  # between a forward and its backward: what the backward needs
+        self._gate(job, 0, target=max(job.claim, kept), pass_start=True, profile=first)
+        baseline = self._read(job, restart=True) if first else None
+        job.evaluating = (model, signature, baseline, kept)
+
+    def _end_evaluation(self, job: _Job) -> None:
+        model, signature, baseline, kept = job.evaluating
+        job.evaluating = None
+        with self._cond:
+            if baseline is not None:
+                now, peak = job.meter(True)
+                job.iter_peak = max(job.iter_peak, peak)
+                job.claim = max(job.claim, peak - max(baseline, now))
+                model.evaluated.add(signature)
+                state = self.scheduler.jobs.get(job.name)
+                if state is not None:
+                    self.scheduler.end_profile(job.name, job.claim, settled=False)
+            job.reserved = kept  # it keeps nothing
+            self._report_held(job)
 
     def _root_post(self, model: _Model) -> None:
         job = self._job()
@@ -545,20 +589,41 @@ class Engine:
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
         with self._cond:
             self._persistent_admission(job)
-            self._gate(job, 0, pass_start=True, profile=True)
+            self._gate(job, 0, target=self._profile_guess(job, current), pass_start=True, profile=True)
         job.profiles += 1
         model = current.model
         current.nodes.append(Node(""))
         current.node_names = {sub: name for name, sub in model.module.named_modules() if sub is not model.module}
 
+    def _profile_guess(self, job: _Job, current: _Pass) -> int:
+        """What a job's first pass of this input asks for before it starts: the claim of
+        a settled job with the same parameters and inputs (one of a sweep), else
+        nothing (its growth is asked for as it is measured)."""
+        state = self.scheduler.jobs.get(job.name)
+        if state is None or self.capacity is None:
+            return 0
+        params = sum(_nbytes(p) for model in job.models for p in model.module.parameters())
+        guess = self.scheduler.alike_claim(job.name, (params, current.signature))
+        return min(guess, max(0, self.capacity - state.persistent))  # a guess never makes a job "too large"
+
     def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
         if job.current is not current or self._job() is not job:
             return
         self._measure_node(job, current)
+        # Growth is measured, not predicted, in a profiling pass: ask for the most held
+        # so far, and room for the next module to grow as much as the largest growth
+        # of one module so far (its temporaries come before it can be measured).
+        held = self._held_now(job)
+        if current.nodes:
+            current.profile_step = max(current.profile_step, current.nodes[-1].peak_bytes - current.profile_held)
+        current.profile_held = held
+        peak = max((node.peak_bytes for node in current.nodes), default=0)
         current.nodes.append(Node(name))
-        # Growth is measured, not predicted, in a profiling pass: ask for what the
-        # previous module kept (waits, or fails when it cannot fit even alone).
-        self._gate(job, 0, target=self._held_now(job), profile=True)
+        target = max(peak, held + current.profile_step)
+        state = self.scheduler.jobs.get(job.name)
+        if self.capacity is not None and state is not None:
+            target = min(target, max(held, self.capacity - state.persistent))  # never "too large" by the margin
+        self._gate(job, 0, target=target, profile=True)
 
     def _profile_output(self, current: _Pass, output) -> None:
         nbytes = sum(_nbytes(t) for t in _flat_tensors(output))
