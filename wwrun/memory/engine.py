@@ -130,6 +130,8 @@ class _Pass:
     node_names: dict = field(default_factory=dict)  # while profiling: submodule -> its name
     saved_hooks: object = None
     sentinel_hooks: tuple | None = None  # measured steady state: our pushed (pack, unpack)
+    profile_held: int = 0  # while profiling: held when the latest module began
+    profile_step: int = 0  # while profiling: the most one module grew above that
 
 
 @dataclass(eq=False)
@@ -448,8 +450,11 @@ class Engine:
             job.models.append(model)
             job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
         measured, missing_grads = self._measure_persistent(job)
+        # Everything the script made before its first pass (its data too) stays:
+        # with the allocator's figure, the newcomer's bytes are known before it grows.
+        live = job.meter(False)[0] if job.meter is not None else measured
         with self._cond:  # requested (and waited for) before the model's first pass
-            job.persistent_reserved = max(job.persistent_reserved, measured + missing_grads)
+            job.persistent_reserved = max(job.persistent_reserved, max(measured, live) + missing_grads)
         return model
 
     # ---- passes -----------------------------------------------------------------------
@@ -545,20 +550,41 @@ class Engine:
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
         with self._cond:
             self._persistent_admission(job)
-            self._gate(job, 0, pass_start=True, profile=True)
+            self._gate(job, 0, target=self._profile_guess(job, current), pass_start=True, profile=True)
         job.profiles += 1
         model = current.model
         current.nodes.append(Node(""))
         current.node_names = {sub: name for name, sub in model.module.named_modules() if sub is not model.module}
 
+    def _profile_guess(self, job: _Job, current: _Pass) -> int:
+        """What a job's first pass of this input asks for before it starts: the claim of
+        a settled job with the same parameters and inputs (one of a sweep), else
+        nothing (its growth is asked for as it is measured)."""
+        state = self.scheduler.jobs.get(job.name)
+        if state is None or self.capacity is None:
+            return 0
+        params = sum(_nbytes(p) for model in job.models for p in model.module.parameters())
+        guess = self.scheduler.alike_claim(job.name, (params, current.signature))
+        return min(guess, max(0, self.capacity - state.persistent))  # a guess never makes a job "too large"
+
     def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
         if job.current is not current or self._job() is not job:
             return
         self._measure_node(job, current)
+        # Growth is measured, not predicted, in a profiling pass: ask for the most held
+        # so far, and room for the next module to grow as much as the largest growth
+        # of one module so far (its temporaries come before it can be measured).
+        held = self._held_now(job)
+        if current.nodes:
+            current.profile_step = max(current.profile_step, current.nodes[-1].peak_bytes - current.profile_held)
+        current.profile_held = held
+        peak = max((node.peak_bytes for node in current.nodes), default=0)
         current.nodes.append(Node(name))
-        # Growth is measured, not predicted, in a profiling pass: ask for what the
-        # previous module kept (waits, or fails when it cannot fit even alone).
-        self._gate(job, 0, target=self._held_now(job), profile=True)
+        target = max(peak, held + current.profile_step)
+        state = self.scheduler.jobs.get(job.name)
+        if self.capacity is not None and state is not None:
+            target = min(target, max(held, self.capacity - state.persistent))  # never "too large" by the margin
+        self._gate(job, 0, target=target, profile=True)
 
     def _profile_output(self, current: _Pass, output) -> None:
         nbytes = sum(_nbytes(t) for t in _flat_tensors(output))

@@ -29,9 +29,13 @@ job that does not fit beside the others), `stuck_victim` names the job to fail.
 
 Jobs are admitted (`try_start`) in queue order once the running ones are *settled*
 (profiled, and their persistent bytes known: an optimizer's state appears at its first
-step, after the profile) and one more job like the smallest seen so far would fit:
-sum P + max A <= capacity. Admitting beside a job whose optimizer state is still to
-come would let every job's model exist at once with no room left for any pass.
+step, after the profile) and one more model as small as the smallest seen so far
+leaves room for each running job's iteration: sum P + max A <= capacity. Admitting
+beside a job whose optimizer state is still to come would let every job's model exist
+at once with no room left for any pass. A newcomer's activations are not guessed at
+admission (a small job is not kept out by a large one): its first pass asks for the
+claim of a settled job of its kind (`alike_claim`) or, of a new kind, for what it
+measures module by module, and waits until that fits.
 
 Waiting requests are served in queue order: requests in the middle of a pass first
 (finishing a pass frees memory sooner), then pass starts by priority and then FIFO
@@ -78,6 +82,7 @@ class JobState:
     waiting: Want | None = None
     attained_s: float = 0.0
     headroom: int = 0  # its largest block: room it needs in one piece (Scheduler._budget)
+    kind: object = None  # jobs of one kind are alike (Scheduler.alike_claim)
 
     @property
     def footprint(self) -> int:
@@ -99,7 +104,7 @@ class Scheduler:
         self.queue = queue
         self.jobs: dict[str, JobState] = {}
         self._seq = itertools.count()
-        self._sizes: dict[str, tuple[int, int]] = {}  # (persistent, claim) of each settled job seen
+        self._sizes: dict[str, tuple[int, int, object]] = {}  # (persistent, claim, kind) of each settled job seen
 
     # ---- jobs -------------------------------------------------------------------
     def enqueue(self, name: str, priority: int = 0) -> None:
@@ -121,19 +126,28 @@ class Scheduler:
         return False
 
     def _room_for_newcomer(self) -> bool:
-        """Whether one more job fits beside the active ones, estimating it by the
-        smallest job profiled so far (jobs of one run tend to be alike; a wrong
-        guess is caught when its model is built or profiled)."""
+        """Whether one more job's model fits beside the active ones while each of them
+        can still run its iterations: sum P + the newcomer's P + max A <= the budget,
+        the newcomer's P guessed by the smallest seen so far. Its activations are not
+        guessed here: its first pass waits until they fit (the engine asks for the
+        claim of a settled job with the same parameters, else for what it measures),
+        so a small job is not kept out by a large one it is taken for."""
         active = self.active()
         if not active or self.capacity is None:
             return True
         if any(not j.settled or j.claim is None or j.profiling or j.pending_profile for j in active):
             return False  # size the running jobs before adding one more
-        guess_persistent, guess_claim = self.smallest or (0, 0)
+        guess_persistent = min((p for p, _, _ in self._sizes.values()), default=0)
         persistent = sum(j.persistent for j in active) + guess_persistent
         headrooms = [j.headroom for j in active]
-        budget = self._budget([*headrooms, max(headrooms)])  # the newcomer like the others
-        return persistent + max(guess_claim, *(j.claim for j in active)) <= budget
+        budget = self._budget([*headrooms, self.headroom_per_job])
+        return persistent + max(j.claim for j in active) <= budget
+
+    def alike_claim(self, name: str, kind: object) -> int:
+        """The claim of a settled job of the same `kind` (the engine's: the bytes of
+        its parameters), the guess for a newcomer's first pass; 0 if none."""
+        self.jobs[name].kind = kind
+        return min((c for _, c, k in self._sizes.values() if k == kind), default=0)
 
     def finish(self, name: str) -> None:
         """The job ended (success or failure): everything it held is free."""
@@ -183,13 +197,12 @@ class Scheduler:
 
     @property
     def smallest(self) -> tuple[int, int] | None:
-        """(persistent, claim) of the smallest settled job that trains: the guess for
-        newcomers (jobs of one run tend to be alike)."""
-        return min(self._sizes.values(), key=sum, default=None)
+        """(persistent, claim) of the smallest settled job that trains."""
+        return min((size[:2] for size in self._sizes.values()), key=sum, default=None)
 
     def _note_size(self, job: JobState) -> None:
         if job.settled and job.claim:
-            self._sizes[job.name] = (job.persistent, job.claim)
+            self._sizes[job.name] = (job.persistent, job.claim, job.kind)
 
     def abort_profile(self, name: str) -> None:
         """The profiling pass failed: the job keeps whatever claim it had."""

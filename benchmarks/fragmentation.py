@@ -1,0 +1,244 @@
+"""Random oversubscribed mixes: does any job get lost to memory it could have had?
+
+    PYTHONPATH=. python benchmarks/fragmentation.py            # the full grid (long: 2 GiB runs)
+    PYTHONPATH=. python benchmarks/fragmentation.py --quick    # 32 and 128 MiB, one seed
+    PYTHONPATH=. python benchmarks/fragmentation.py --loop 20  # the two scenarios of issue 20, 20 runs each
+
+The grid: limits of 32 MiB, 128 MiB, 512 MiB and 2 GiB; in each mix, 2 to 5 seeded
+MLP jobs (benchmarks/fragmentation_job.py), each fitting alone with a 20% margin
+(its allocated peak at most the limit / 1.2), their summed peaks 1.3 to 3x the limit,
+the mix's largest single tensor 2%, 10% or 25% of the limit. Each mix runs through
+wwrun's launcher (`wwrun --device cpu --memory-limit L job : job ...`) under
+`--policy waterwave`, then under `--policy sequential` for the wall-time ratio.
+
+Reported: jobs lost (target 0), each classified by its error: `admission` when the
+jobs the engine let in held more than the limit allows (device allocated + the request
+over the limit, or rule f's "gives way", or the engine's own refusal), `fragmentation`
+when the bytes were there but not in one piece (device allocated + request within the
+limit: the allocator's). Also allocated / reserved at the run's peak (target >= 0.95)
+and the waterwave / sequential wall time. Prints the figures, then LAST one JSON
+object on one line.
+
+--loop N runs the quickstart (recipes/quickstart.yaml under 1.15x its largest job's
+allocated peak in a --policy concurrent run) and three copies of a job whose forward
+makes a 120 MiB temporary under 200 MiB (tests/scripts/big_temporary.py), N times
+each, and reports the runs that lost a job.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per job, as the tests
+
+import argparse  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)  # the checkout
+import wwrun  # noqa: E402
+from wwrun.display import QuietDisplay  # noqa: E402
+from wwrun.recipe import load_recipe  # noqa: E402
+
+MiB = 1 << 20
+JOB_SCRIPT = os.path.join(HERE, "fragmentation_job.py")
+LIMITS = (32 * MiB, 128 * MiB, 512 * MiB, 2048 * MiB)
+TENSOR_FRACTIONS = (0.02, 0.10, 0.25)
+MARGIN = 1.2  # each job fits alone with this margin
+NARROW = 8  # fragmentation_job.py's narrow width
+STEPS = 6
+
+
+def job_peak(width: int, batch: int, depth: int) -> int:
+    """A job's allocated peak alone, as measured on the CPU allocator: its wide
+    layers' activations kept for backward, two more wide tensors in flight (a layer's
+    input and output in forward, their gradients in backward), and the narrow rest."""
+    wide = width * batch * 4
+    return int((depth + 2.2) * wide) + 16 * batch * NARROW * 4 + 3 * 4 * depth * (2 * NARROW * width + width + NARROW)
+
+
+def mix(limit: int, fraction: float, seed: int) -> list[list[str]]:
+    """One random mix: the jobs' argument lists for fragmentation_job.py."""
+    rng = random.Random(f"{limit}-{fraction}-{seed}")
+    count = rng.randint(2, 5)
+    fits = limit / MARGIN
+    total = rng.uniform(1.3, min(3.0, 0.95 * count / MARGIN)) * limit  # n jobs of at most `fits` each
+    weights = [rng.uniform(0.5, 1.0) for _ in range(count)]
+    jobs, peaks = [], []
+    for i, weight in enumerate(weights):
+        target = min(fits, total * weight / sum(weights))
+        # The first job holds the mix's largest tensor; the others' are no larger,
+        # nor larger than their share of the total allows.
+        tensor = fraction * limit
+        if i > 0:
+            tensor = min(tensor * rng.uniform(0.4, 1.0), target / 3.2)
+        depth = max(1, int(target / tensor - 2.2))
+        width = rng.choice((64, 128, 256))
+        batch = max(1, int(tensor // (4 * width)))
+        while depth > 1 and job_peak(width, batch, depth) > fits:
+            depth -= 1
+        while job_peak(width, batch, depth) > fits:  # a 25% tensor with depth 1 can be just over
+            batch = int(batch * 0.95)
+        jobs.append(["--width", str(width), "--batch", str(batch), "--depth", str(depth),
+                     "--steps", str(STEPS), "--seed", str(seed * 10 + i)])
+        peaks.append(job_peak(width, batch, depth))
+    while len(jobs) > 2 and sum(peaks) > 3 * limit:  # the first job's tensor can outgrow its share
+        jobs.pop(), peaks.pop()
+    return jobs
+
+
+def grid(limits, fractions, seeds) -> list[tuple[int, float, int]]:
+    return [(limit, fraction, seed) for limit in limits for fraction in fractions for seed in seeds]
+
+
+def launch(jobs: list[tuple[str, list[str]]], policy: str, memory_limit: int | None):
+    """Run (script, args) jobs through wwrun's launcher in this process, as
+    `wwrun --device cpu --policy P --memory-limit M script args : ...`; the RunResult."""
+    log_dir = tempfile.mkdtemp(prefix="wwrun-frag-")
+    try:
+        return wwrun.launch(wwrun.LaunchConfig(
+            jobs=[wwrun.JobSpec(name=f"job{i}", script=script, args=args) for i, (script, args) in enumerate(jobs)],
+            policy=policy, memory_limit=memory_limit, device="cpu", quiet=True, log_dir=log_dir,
+        ), display=QuietDisplay(io.StringIO()))
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+_SIZE = r"([\d.]+) (B|KiB|MiB|GiB)"
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": 1 << 30}
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit])
+
+
+def classify(error: str | None, limit: int) -> str | None:
+    """Why a job was lost: None (it was not), 'admission' (the engine let in more than
+    fits, or refused a job that fits alone), 'fragmentation' (the bytes were free, not
+    in one piece: the allocator's) or 'other'."""
+    if error is None:
+        return None
+    if "gives way" in error or "does not fit beside" in error or "cannot fit even alone" in error:
+        return "admission"
+    request = re.search(r"tried to allocate " + _SIZE, error)
+    device = re.search(r"Device: " + _SIZE + r" reserved, " + _SIZE + r" allocated", error)
+    if request is None or device is None:
+        return "other"
+    allocated = _bytes(*device.group(3, 4))
+    return "fragmentation" if allocated + _bytes(*request.group(1, 2)) <= limit else "admission"
+
+
+def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True) -> dict:
+    jobs = [(JOB_SCRIPT, args) for args in mix(limit, fraction, seed)]
+    result = launch(jobs, "waterwave", limit)
+    lost = [classify(job.error, limit) for job in result.jobs if job.state.value != "succeeded"]
+    figures = {
+        "limit_mib": limit // MiB, "tensor_fraction": fraction, "seed": seed, "jobs": len(jobs),
+        "lost": len(lost), "lost_by": {kind: lost.count(kind) for kind in set(lost)},
+        "errors": [job.error for job in result.jobs if job.error],
+        "peak_reserved_bytes": result.extra.get("peak_reserved_bytes"),
+        "allocated_over_reserved": round(result.extra["peak_memory_bytes"] / result.extra["peak_reserved_bytes"], 4),
+        "wall_s": round(result.wall_s, 3),
+    }
+    if sequential and not lost:
+        figures["sequential_wall_s"] = round(launch(jobs, "sequential", limit).wall_s, 3)
+    return figures
+
+
+def quickstart_limit() -> int:
+    """1.15x the largest allocated peak of the quickstart's jobs in a --policy concurrent run."""
+    config = load_recipe(os.path.join(REPO, "recipes", "quickstart.yaml"))
+    return int(1.15 * max(job.extra["peak_memory_bytes"] for job in _launch_recipe(config, "concurrent", None).jobs))
+
+
+def _launch_recipe(config, policy, limit):
+    log_dir = tempfile.mkdtemp(prefix="wwrun-frag-")
+    try:
+        config.device, config.policy, config.memory_limit = "cpu", policy, limit
+        config.quiet, config.log_dir = True, log_dir
+        return wwrun.launch(config, display=QuietDisplay(io.StringIO()))
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def scenario_loop(runs: int) -> dict:
+    """The two scenarios of issue 20, `runs` times each: runs that lost a job."""
+    limit = quickstart_limit()
+    temporary = os.path.join(REPO, "tests", "scripts", "big_temporary.py")
+    scenarios = {
+        "quickstart": lambda: _launch_recipe(load_recipe(os.path.join(REPO, "recipes", "quickstart.yaml")),
+                                             "waterwave", limit),
+        "temporary_120mib_x3": lambda: launch([(temporary, ["40", "120"])] * 3, "waterwave", 200 * MiB),
+    }
+    figures = {"quickstart_limit_bytes": limit}
+    for name, run in scenarios.items():
+        lost_runs, kinds, over = 0, [], 0
+        for _ in range(runs):
+            result = run()
+            errors = [job.error for job in result.jobs if job.state.value != "succeeded"]
+            lost_runs += bool(errors)
+            kinds += [classify(e, result.extra["memory_limit_bytes"]) for e in errors]
+            over += result.extra["peak_reserved_bytes"] > result.extra["memory_limit_bytes"]
+        figures[name] = {"runs": runs, "runs_losing_a_job": lost_runs, "lost_by": {k: kinds.count(k) for k in set(kinds)},
+                         "runs_reserving_over_the_limit": over}
+        print(f"{name}: {lost_runs} of {runs} runs lost a job {figures[name]['lost_by']}", flush=True)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32 and 128 MiB, one seed")
+    parser.add_argument("--seeds", type=int, default=None, help="mixes per cell (default 3, --quick 1)")
+    parser.add_argument("--limits", default=None, help="MiB, comma-separated (default: 32,128,512,2048)")
+    parser.add_argument("--no-sequential", action="store_true", help="skip the --policy sequential runs")
+    parser.add_argument("--loop", type=int, default=0, metavar="N", help="the two scenarios of issue 20, N runs each")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    result: dict = {"torch": torch.__version__, "cpu_cores": os.cpu_count(), "command": " ".join(["python", *sys.argv]),
+                    "load_average_at_start": round(os.getloadavg()[0], 2)}
+    if args.loop:
+        result.update(scenario_loop(args.loop))
+        print(json.dumps(result))
+        return
+    limits = [int(m) * MiB for m in args.limits.split(",")] if args.limits else (LIMITS[:2] if args.quick else LIMITS)
+    seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 3))
+    runs = []
+    started = time.perf_counter()
+    for limit, fraction, seed in grid(limits, TENSOR_FRACTIONS, seeds):
+        figures = run_mix(limit, fraction, seed, sequential=not args.no_sequential)
+        runs.append(figures)
+        ratio = (f", {figures['sequential_wall_s'] / figures['wall_s']:.2f}x sequential"
+                 if "sequential_wall_s" in figures else "")
+        print(f"{limit // MiB:5d} MiB, tensors {fraction:.0%}, seed {seed}: {figures['jobs']} jobs, "
+              f"lost {figures['lost']} {figures['lost_by'] or ''}, allocated/reserved "
+              f"{figures['allocated_over_reserved']:.3f}, {figures['wall_s']:.1f} s{ratio}", flush=True)
+        for error in figures["errors"]:
+            print(f"    {error[:300]}")
+    kinds = [kind for run in runs for kind, n in run["lost_by"].items() for _ in range(n)]
+    timed = [run for run in runs if "sequential_wall_s" in run]
+    result.update({
+        "runs": len(runs), "jobs": sum(run["jobs"] for run in runs),
+        "jobs_lost": sum(run["lost"] for run in runs), "runs_losing_a_job": sum(bool(run["lost"]) for run in runs),
+        "lost_by": {kind: kinds.count(kind) for kind in sorted(set(kinds))},
+        "min_allocated_over_reserved": min(run["allocated_over_reserved"] for run in runs),
+        "median_allocated_over_reserved": sorted(run["allocated_over_reserved"] for run in runs)[len(runs) // 2],
+        "speedup_vs_sequential": round(sum(r["sequential_wall_s"] for r in timed) / sum(r["wall_s"] for r in timed), 3)
+        if timed else None,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "per_run": [{k: v for k, v in run.items() if k != "errors"} for run in runs],
+    })
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
