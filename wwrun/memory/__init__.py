@@ -6,7 +6,7 @@
     scheduler.py   admission of jobs and NodeGroups under the budget (no torch)
     nodegroups.py  profiles -> balanced contiguous NodeGroups
     trace.py       Perfetto trace and memory plot
-    offload.py     stash tensors in pinned host memory and back
+    offload.py     activation offload: saved tensors to host memory and back
 
 The launcher makes one `Memory` per run and, in each job's thread, holds a
 `JobMemory` session for the job's life (`with memory.session(spec): run the
@@ -111,6 +111,9 @@ class Memory:
     jobs_at_once  the most jobs that run at once: on CUDA each has a stream whose
                 cuBLAS workspaces the budget plans for (`fixed_bytes`), and a thread
                 whose handles the device's headroom keeps room for
+    offload     never | auto | always, and offload_limit (bytes, a fraction of the
+                host memory available now, or None): activation offload
+                (wwrun/memory/offload.py), for the engine's jobs
     """
 
     def __init__(
@@ -125,8 +128,11 @@ class Memory:
         note: Callable[[str], None] = lambda line: None,
         current_job: Callable[[], str | None] | None = None,
         jobs_at_once: int = 1,
+        offload: str = "never",
+        offload_limit: int | float | None = None,
     ):
         self.device = device
+        self._offload = (offload, offload_limit)
         self._note = note
         self.jobs_at_once = max(1, jobs_at_once)
         self.fixed_bytes = 0
@@ -208,6 +214,9 @@ class Memory:
             return None
         from wwrun.memory.engine import Engine
 
+        from wwrun.config import resolve_size
+
+        mode, host_limit = self._offload
         engine = Engine(
             None if self.limit is None else self.limit - self.fixed_bytes,
             policy=policy,
@@ -218,6 +227,8 @@ class Memory:
             current_job=current_job,
             meter=self._meter if self.allocator == "waterwave" else None,
             largest_block=self._largest_block if self.allocator == "waterwave" else None,
+            offload=mode,
+            offload_limit=resolve_size(host_limit, _meminfo("MemAvailable") or host_total()),
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
