@@ -789,10 +789,12 @@ class Engine:
         self.timeline.span(name, label, start, end)
 
     def _offload_room(self, job: _Job) -> int:
-        """The activation bytes the job can ever have: the budget less what stays."""
+        """The activation bytes the job can ever have: the budget less what stays and,
+        under the allocator, less the room its largest block needs in one piece."""
         state = self.scheduler.jobs.get(job.name)
         persistent = max(job.persistent_reserved, state.persistent if state else 0, job.baseline or 0)
-        return self.capacity - persistent
+        headroom = self.scheduler.headroom_per_job if state is None else state.headroom
+        return self.capacity - persistent - headroom
 
     def _stashing(self, job: _Job) -> bool:
         offloader = self._offloader
