@@ -214,8 +214,6 @@ class Memory:
             return None
         from wwrun.memory.engine import Engine
 
-        from wwrun.config import resolve_size
-
         mode, host_limit = self._offload
         engine = Engine(
             None if self.limit is None else self.limit - self.fixed_bytes,
@@ -228,11 +226,20 @@ class Memory:
             meter=self._meter if self.allocator == "waterwave" else None,
             largest_block=self._largest_block if self.allocator == "waterwave" else None,
             offload=mode,
-            offload_limit=resolve_size(host_limit, _meminfo("MemAvailable") or host_total()),
+            offload_limit=self._offload_limit(host_limit),
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
         return engine
+
+    @staticmethod
+    def _offload_limit(limit) -> int:
+        """--offload-limit in bytes: a fraction is of the host memory available now,
+        and without one, OFFLOAD_HOST_SHARE of it."""
+        from wwrun.config import OFFLOAD_HOST_SHARE, resolve_size
+
+        available = _meminfo("MemAvailable") or host_total()
+        return int(OFFLOAD_HOST_SHARE * available) if limit is None else resolve_size(limit, available)
 
     def close(self) -> None:
         """The run ended: torch's own CPU allocator serves new tensors again (those

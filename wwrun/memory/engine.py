@@ -224,7 +224,7 @@ class Engine:
         meter: Callable[[str], Callable[[bool], tuple[int, int]]] | None = None,
         largest_block: Callable[[str], int] | None = None,
         offload: str = "never",
-        offload_limit: int | None = None,
+        offload_limit: int = 0,
     ):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")

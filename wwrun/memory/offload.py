@@ -56,7 +56,7 @@ import torch
 from triton_kernels import pack, unpack
 from triton_kernels.utils import interpreting
 
-from wwrun.config import OFFLOAD_HOST_SHARE, OFFLOAD_MODES as MODES
+from wwrun.config import OFFLOAD_MODES as MODES
 
 CHUNKS_PER_ROOM = 8
 """A chunk holds at most this fraction of the job's room: backward holds about two."""
@@ -183,18 +183,18 @@ class Offloader:
     """Offload for one run.
 
     mode        never | auto | always (see rule 3)
-    limit       host bytes the pool may hold (None: HOST_SHARE of available memory)
+    limit       host bytes the pool may hold (--offload-limit, resolved by wwrun.memory)
     device      'cpu' or 'cuda'
     span        (job, label, start, end) -> None: trace spans ("offload", "fetch")
     """
 
-    def __init__(self, mode: str, limit: int | None, device: str,
+    def __init__(self, mode: str, limit: int, device: str,
                  span: Callable[[str, str, float, float], None] | None = None):
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self.device = device
-        self.pool = HostPool(default_limit() if limit is None else limit, pinned=device == "cuda")
+        self.pool = HostPool(limit, pinned=device == "cuda")
         self._span = span or (lambda *_: None)
         self._jobs: dict[str, JobOffload] = {}
 
@@ -224,17 +224,6 @@ class Offloader:
         if not job.stashing and held is None:
             return None
         return PassOffload(self, job, room, torch.device(device).type, held)
-
-
-def host_available() -> int:
-    """The host memory available now (what --offload-limit's fractions are of)."""
-    from wwrun.memory import _meminfo, host_total
-
-    return _meminfo("MemAvailable") or host_total()
-
-
-def default_limit() -> int:
-    return int(OFFLOAD_HOST_SHARE * host_available())
 
 
 # ---- one pass ----------------------------------------------------------------------
