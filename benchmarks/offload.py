@@ -21,7 +21,9 @@ MODE offload_job.py --batch B`), one intra-op thread.
     alone, two small): `--offload auto`, `--offload never` and `--policy sequential`
     (with auto): jobs that succeed, wall time, bytes offloaded.
 
-Prints the figures, then LAST one JSON object on one line. The CUDA command has not
+Prints the figures, then LAST one JSON object on one line, also saved to
+benchmarks/results/offload-<device>.json. On the CPU (without Triton's interpreter)
+the chunks are packed with plain copies. The CUDA command has not
 been run (the machine it was written on has no GPU); there the copies run on a side
 stream and torch.autograd.graph.save_on_cpu(pin_memory=True) is the baseline to add.
 """
@@ -139,6 +141,9 @@ def main() -> None:
         figures[f"mix_{label}"] = {"succeeded": len(done), "wall_s": round(wall, 3), "offloaded_bytes": moved}
         print(f"(c) {label}: {len(done)}/3 succeeded ({', '.join(done)}) in {wall:.2f} s, offloaded {moved}")
 
+    figures["loadavg"] = os.getloadavg()[0]
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / f"offload-{args.device}.json").write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures))
 
 
