@@ -80,13 +80,15 @@ def largest_batch(limit: int, mode: str, device: str, start: int, cap: int) -> i
     return low
 
 
-def step_time(batch: int, limit: int, mode: str, device: str, repeats: int) -> float:
-    times = []
+def step_time(batch: int, limit: int, mode: str, device: str, repeats: int) -> tuple[float, int]:
+    """(median step time, bytes offloaded in one run)."""
+    times, moved = [], 0
     for _ in range(repeats):
         result, outputs = run([job("j", batch, 8)], device, memory_limit=limit, offload=mode, policy="waterwave")
         assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
         times.append(float(outputs[0].rsplit("step_s ", 1)[1]))
-    return statistics.median(times)
+        moved = result.jobs[0].extra.get("offloaded_bytes", 0)
+    return statistics.median(times), moved
 
 
 def losses(output: str) -> list[str]:
@@ -120,12 +122,12 @@ def main() -> None:
           f"reserved {figures['offload_max_reserved_bytes'] / MiB:.1f} MiB")
 
     # (b)
-    solo = step_time(solo_max, limit, "never", args.device, args.repeats)
-    offloaded = step_time(solo_max, limit, "always", args.device, args.repeats)
+    solo, _ = step_time(solo_max, limit, "never", args.device, args.repeats)
+    offloaded, moved = step_time(solo_max, limit, "always", args.device, args.repeats)
     figures.update(solo_step_s=round(solo, 6), offload_step_s=round(offloaded, 6),
-                   offload_overhead=round(offloaded / solo - 1, 3))
+                   offload_overhead=round(offloaded / solo - 1, 3), offload_bytes_per_run=moved)
     print(f"(b) batch {solo_max}: {solo * 1e3:.1f} ms/step solo, {offloaded * 1e3:.1f} ms with --offload always "
-          f"({figures['offload_overhead']:+.1%})")
+          f"({figures['offload_overhead']:+.1%}, {moved / MiB:.0f} MiB offloaded in 8 steps)")
 
     # (c)
     big, small = 2 * solo_max, max(16, solo_max // 3)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -84,13 +85,13 @@ def test_device_tensors_leave_device_memory_and_come_back_bit_exact():
 # ---- the pool and one pass, directly ------------------------------------------------
 def test_host_pool_reuses_buffers_and_keeps_its_limit():
     pool = HostPool(100, pinned=False)
-    a = pool.take(60)
+    a, _ = pool.take(60)
     assert a.numel() == 60 and pool.held == 60
-    assert pool.take(50) is None  # over the limit: the tensors would stay on the device
+    assert pool.take(50) == (None, None)  # over the limit: the tensors would stay on the device
     pool.give(a)
-    assert pool.take(60).data_ptr() == a.data_ptr()  # the same size again: the same buffer
+    assert pool.take(60)[0].data_ptr() == a.data_ptr()  # the same size again: the same buffer
     pool.give(a)
-    b = pool.take(70)  # a new size evicts the free buffer to stay within the limit
+    b, _ = pool.take(70)  # a new size evicts the free buffer to stay within the limit
     assert b is not None and pool.held == 70 and pool.peak == 70
 
 
@@ -101,7 +102,7 @@ def test_pool_memory_counts_to_no_job_of_the_cpu_allocator():
     try:
         allocator.mark_job_thread("j", None)
         before = allocator.cpu_job_stats("j")["allocated_bytes"]["current"]
-        buffer = HostPool(8 * MiB, pinned=False).take(4 * MiB)
+        buffer, _ = HostPool(8 * MiB, pinned=False).take(4 * MiB)
         torch_side = torch.empty(MiB, dtype=torch.uint8)
         after = allocator.cpu_job_stats("j")["allocated_bytes"]["current"]
         assert after - before == MiB  # the tensor counts, the pool's 4 MiB do not
@@ -203,8 +204,9 @@ def test_offload_with_checkpointing_no_grad_passes_new_shapes_and_side_threads(t
     assert _output(job) == _reference(args)
     assert result.extra["peak_reserved_bytes"] <= LIMIT
     assert job.extra["offloaded_bytes"] > 0 and job.extra["fetched_bytes"] == job.extra["offloaded_bytes"]
-    trace = (tmp_path / "t.json").read_text()
-    assert '"offload"' in trace and '"fetch"' in trace
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    moved = {label: sum(e["args"]["bytes"] for e in events if e["name"] == label) for label in ("offload", "fetch")}
+    assert moved == {"offload": job.extra["offloaded_bytes"], "fetch": job.extra["fetched_bytes"]}
 
 
 def test_checkpointed_blocks_are_not_offloaded(tmp_path):

@@ -785,8 +785,8 @@ class Engine:
             self._offloader = Offloader(mode, limit, self.device, span=self._offload_span)
         return self._offloader
 
-    def _offload_span(self, name: str, label: str, start: float, end: float) -> None:
-        self.timeline.span(name, label, start, end)
+    def _offload_span(self, name: str, label: str, start: float, end: float, nbytes: int) -> None:
+        self.timeline.span(name, label, start, end, bytes=nbytes)
 
     def _offload_room(self, job: _Job) -> int:
         """The activation bytes the job can ever have: the budget less what stays and,

@@ -83,11 +83,12 @@ class HostPool:
         self.pinned = pinned
         self.held = 0  # bytes of every buffer, free or in use
         self.peak = 0
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 host buffer of `nbytes`, or None when the limit leaves no room."""
+    def take(self, nbytes: int) -> tuple[torch.Tensor | None, object]:
+        """(a uint8 host buffer of `nbytes`, the CUDA event after which it is free or
+        None), or (None, None) when the limit leaves no room."""
         with self._lock:
             free = self._free.get(nbytes)
             if free:
@@ -99,14 +100,15 @@ class HostPool:
                     del self._free[size]
                 self.held -= size
             if self.held + nbytes > self.limit:
-                return None
+                return None, None
             self.held += nbytes
             self.peak = max(self.peak, self.held)
-        return self._allocate(nbytes)
+        return self._allocate(nbytes), None
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: torch.Tensor, done=None) -> None:
+        """`buffer` is free once `done` (a CUDA event: the last copy using it) is."""
         with self._lock:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+            self._free.setdefault(buffer.numel(), []).append((buffer, done))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
@@ -185,11 +187,11 @@ class Offloader:
     mode        never | auto | always (see rule 3)
     limit       host bytes the pool may hold (--offload-limit, resolved by wwrun.memory)
     device      'cpu' or 'cuda'
-    span        (job, label, start, end) -> None: trace spans ("offload", "fetch")
+    span        (job, label, start, end, bytes) -> None: trace spans ("offload", "fetch")
     """
 
     def __init__(self, mode: str, limit: int, device: str,
-                 span: Callable[[str, str, float, float], None] | None = None):
+                 span: Callable[[str, str, float, float, int], None] | None = None):
         if mode not in MODES:
             raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -303,14 +305,14 @@ class PassOffload:
 
     def _stash_chunk(self, handles: list[_Handle], nbytes: int) -> None:
         offloader, job = self.offloader, self.job
-        buffer = offloader.pool.take(nbytes)
+        buffer, free_after = offloader.pool.take(nbytes)
         if buffer is None:  # rule 5
             with job.lock:
                 job.kept_bytes += nbytes
             return
         began = time.perf_counter()
-        self.last = _Chunk(offloader, job, handles, buffer, self.last)
-        offloader._span(job.name, "offload", began, time.perf_counter())
+        self.last = _Chunk(offloader, job, handles, buffer, free_after, self.last)
+        offloader._span(job.name, "offload", began, time.perf_counter(), nbytes)
         with job.lock:
             job.offloaded_bytes += nbytes
 
@@ -321,7 +323,7 @@ class _Chunk:
     this one is first fetched."""
 
     def __init__(self, offloader: Offloader, job: JobOffload, handles: list[_Handle],
-                 buffer: torch.Tensor, previous: _Chunk | None):
+                 buffer: torch.Tensor, free_after, previous: _Chunk | None):
         tensors = [h.tensor for h in handles]
         self.offloader, self.job = offloader, job
         self.layouts = [(t.shape, t.dtype, t.device) for t in tensors]
@@ -336,6 +338,8 @@ class _Chunk:
             self.stream = _copy_stream(job, tensors[0].device)
             compute = torch.cuda.current_stream(tensors[0].device)
             self.stream.wait_stream(compute)  # the tensors are written
+            if free_after is not None:  # the buffer's last copy (maybe another job's stream) is done
+                self.stream.wait_event(free_after)
             with torch.cuda.stream(self.stream):
                 _copy_out(tensors, buffer)
             for tensor in tensors:  # their blocks are not reused before the copy read them
@@ -381,15 +385,20 @@ class _Chunk:
             else:
                 _copy_in(self.buffer, out)
             self.restored = out
-            self.offloader._span(self.job.name, "fetch", began, time.perf_counter())
+            self.offloader._span(self.job.name, "fetch", began, time.perf_counter(), self.nbytes)
         with self.job.lock:
             self.job.fetched_bytes += self.nbytes
         return out
 
     def __del__(self):
         buffer, self.buffer = self.buffer, None
-        if buffer is not None:  # on CUDA the copy stream orders its next use after ours
-            self.offloader.pool.give(buffer)
+        if buffer is None:
+            return
+        done = None
+        if self.stream is not None:  # its next user waits for our copies (never the host)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.offloader.pool.give(buffer, done)
 
 
 def _copy_stream(job: JobOffload, device: torch.device):
