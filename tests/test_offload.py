@@ -193,6 +193,11 @@ def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_pat
     assert result.extra["peak_reserved_bytes"] <= LIMIT  # the pool is outside the budget
     assert job.extra["offloaded_bytes"] > LIMIT and job.extra["fetched_bytes"] == job.extra["offloaded_bytes"]
     assert job.extra["fetch_stall_s"] > 0
+    assert 0 < result.extra["offload_host_peak_bytes"] <= result.extra["offload_limit_bytes"]
+    # Host memory for no chunk (each holds a 0.5 MiB tensor at least): it fails as without offload.
+    capped = _run(tmp_path, [JobSpec(name="big", script=SCRIPT, args=BIG)], memory_limit=LIMIT,
+                  offload_limit=256 * 1024)
+    assert capped.jobs[0].state == JobState.FAILED and capped.jobs[0].extra["offloaded_bytes"] == 0
 
 
 @pytest.mark.parametrize("flags", [["--checkpoint"], ["--eval"], ["--shapes"], ["--thread"]])
@@ -237,3 +242,25 @@ def test_three_jobs_oversubscribing_the_budget_finish_with_offload_where_needed(
     for job in never.jobs:
         assert job.state == (JobState.FAILED if job.name == "big" else JobState.SUCCEEDED)
         assert job.extra.get("offloaded_bytes", 0) == job.extra.get("fetched_bytes", 0) == 0
+
+
+@pytest.mark.gpu
+def test_a_pass_on_cuda_frees_device_memory_and_backward_gets_it_back_on_another_stream():
+    offloader = Offloader("always", 64 * MiB, "cuda")
+    run = offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cuda")
+    tensors = [torch.randn(64, 256, device="cuda") for _ in range(4)]  # 64 KiB each: a chunk each
+    expected = [t.cpu() for t in tensors]
+    handles = [run.keep(t) for t in tensors]
+    before = torch.cuda.memory_allocated()
+    run.boundary()
+    del tensors
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < before  # the device memory is free once copied
+    assert offloader.pool.pinned
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # backward's stream: events order the copies
+        restored = [h.get() for h in reversed(handles)][::-1]
+    torch.cuda.synchronize()
+    for want, got in zip(expected, restored):
+        assert got.is_cuda and torch.equal(got.cpu(), want)
+    assert offloader.report("j")["fetched_bytes"] == offloader.report("j")["offloaded_bytes"] == 4 * 64 * 1024

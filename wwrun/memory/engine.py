@@ -349,7 +349,11 @@ class Engine:
         }
 
     def run_report(self) -> dict:
-        return {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+        report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+        if self._offloader is not None:  # the host pool: the most it held, and its limit
+            report.update(offload_host_peak_bytes=self._offloader.pool.peak,
+                          offload_limit_bytes=self._offloader.pool.limit)
+        return report
 
     def write_trace(self, path: str) -> None:
         self.timeline.write_trace(path, self.capacity)
@@ -779,7 +783,7 @@ class Engine:
     @property
     def offloader(self):
         mode, limit = self._offload_options
-        if self._offloader is None and mode != "never":
+        if self._offloader is None and mode != "never" and limit:  # a limit of 0: no host memory
             from wwrun.memory.offload import Offloader
 
             self._offloader = Offloader(mode, limit, self.device, span=self._offload_span)
