@@ -264,3 +264,24 @@ def test_a_pass_on_cuda_frees_device_memory_and_backward_gets_it_back_on_another
     for want, got in zip(expected, restored):
         assert got.is_cuda and torch.equal(got.cpu(), want)
     assert offloader.report("j")["fetched_bytes"] == offloader.report("j")["offloaded_bytes"] == 4 * 64 * 1024
+
+
+# ---- the options ---------------------------------------------------------------------
+def test_offload_options_from_the_command_line_and_a_recipe(tmp_path, capsys):
+    from wwrun.cli import config_from_args, main, parse_args
+    from wwrun.recipe import load_recipe
+
+    config = config_from_args(parse_args(["--offload", "always", "--offload-limit", "1GiB", SCRIPT]))
+    assert (config.offload, config.offload_limit) == ("always", 2**30)
+    assert config_from_args(parse_args([SCRIPT])).offload == "auto"  # the default
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"defaults:\n  offload: never\n  offload_limit: 10%\njobs:\n  - script: {SCRIPT}\n")
+    loaded = load_recipe(recipe)
+    assert (loaded.offload, loaded.offload_limit) == ("never", 0.1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--offload", "sometimes", SCRIPT])
+    assert exit_.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
+    recipe.write_text(f"defaults:\n  offload: sometimes\njobs:\n  - script: {SCRIPT}\n")
+    assert main([str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "offload" in err and "never, auto, always" in err and len(err.splitlines()) == 1

@@ -56,6 +56,13 @@ wwrun sees it; a job is admitted only when one like the smallest seen so far wou
 fit) and optimizer state beyond the guess made before the first step (Adam's two
 buffers per parameter). Gradients are reserved when the model is found.
 
+Offload (wwrun/memory/offload.py; `offload` is never, auto or always): a job whose
+request can never be granted (its claim beyond the budget less what stays) stashes
+what its passes save for backward in host memory instead of failing with JobTooLarge,
+and its requests are capped at that room; while a pass is profiled, auto watches the
+allocator's figure at each module call and starts stashing before the budget is
+reached. Such a pass keeps per-tensor saved-tensor hooks (no stand-ins).
+
 Limitations: models first called after a job's first optimizer step are not found;
 forward passes under `no_grad` are neither profiled nor gated (they retain nothing);
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
