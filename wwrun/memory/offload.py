@@ -93,17 +93,26 @@ class HostPool:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-            while self.held + nbytes > self.limit and self._free:
-                size = max(self._free)  # evict the largest free buffers first
-                self._free[size].pop()
-                if not self._free[size]:
-                    del self._free[size]
-                self.held -= size
+            while self.held + nbytes > self.limit and self._evict():
+                pass
             if self.held + nbytes > self.limit:
                 return None, None
             self.held += nbytes
             self.peak = max(self.peak, self.held)
         return self._allocate(nbytes), None
+
+    def _evict(self) -> bool:
+        """Frees the largest free buffer no copy still uses; False if none."""
+        for size in sorted(self._free, reverse=True):
+            entries = self._free[size]
+            for i, (_, done) in enumerate(entries):
+                if done is None or done.query():
+                    del entries[i]
+                    if not entries:
+                        del self._free[size]
+                    self.held -= size
+                    return True
+        return False
 
     def give(self, buffer: torch.Tensor, done=None) -> None:
         """`buffer` is free once `done` (a CUDA event: the last copy using it) is."""
@@ -394,11 +403,14 @@ class _Chunk:
         buffer, self.buffer = self.buffer, None
         if buffer is None:
             return
-        done = None
-        if self.stream is not None:  # its next user waits for our copies (never the host)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self.offloader.pool.give(buffer, done)
+        try:
+            done = None
+            if self.stream is not None:  # its next user waits for our copies (never the host)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self.offloader.pool.give(buffer, done)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the buffer goes with it
+            pass
 
 
 def _copy_stream(job: JobOffload, device: torch.device):
