@@ -156,7 +156,7 @@ class _Job:
     param_keys: set[int] = field(default_factory=set)
     discovering: bool = True
     current: _Pass | None = None
-    saved: dict[int, int] = field(default_factory=dict)  # storage -> live saved tensors
+    saved: dict[object, int] = field(default_factory=dict)  # storage (or offload handle) -> live saved tensors
     retained: int = 0
     persistent: int = 0  # measured now
     persistent_peak: int = 0  # most measured
@@ -853,6 +853,9 @@ class Engine:
         key = _storage_key(tensor)
         if key in job.param_keys:
             return tensor
+        stored = tensor if offload is None else offload.keep(tensor)
+        if stored is not tensor:  # offloaded, its address may serve another storage: keyed by its handle
+            key = ("offloaded", id(stored))
         with self._cond:
             count = job.saved.get(key, 0)
             job.saved[key] = count + 1
@@ -864,7 +867,7 @@ class Engine:
                     current.nodes[-1].retained_bytes += nbytes
                 if job.meter is None:  # the allocator's figures are read at group boundaries
                     self._note_peaks(job)
-        return _Saved(tensor if offload is None else offload.keep(tensor), self, job, key, nbytes)
+        return _Saved(stored, self, job, key, nbytes)
 
     # A measured pass (the allocator counts the bytes) needs no per-tensor accounting,
     # only backward's progress: the first tensor each group saves stands for the
