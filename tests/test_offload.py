@@ -3,9 +3,9 @@ what its forward saves in host memory; and stashing tensors in one host buffer.
 
 On the CPU the budget stands for device memory (wwrun's CPU allocator enforces it)
 and the offload pool lives outside it. The Triton kernels run in the interpreter
-(tests/conftest.py): one training test packs through them; the others use the plain
-copy the CPU takes without the interpreter (it costs ~0.4 s per MiB), through the
-same chunks. The GPU test moves device tensors to pinned host memory and back.
+(tests/conftest.py): a pass's chunks are packed through them in one test
+(offload.CPU_TRITON); jobs use the plain copy the CPU takes (the interpreter costs
+~0.4 s per MiB), through the same chunks. The GPU test moves device tensors to pinned host memory and back.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_pool_memory_counts_to_no_job_of_the_cpu_allocator():
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "plain"])
 def test_a_pass_stashes_whole_chunks_and_backward_gets_the_same_tensors(monkeypatch, triton):
-    monkeypatch.setattr(offload, "interpreting", lambda: triton)  # the kernels (interpreted), or a plain copy
+    monkeypatch.setattr(offload, "CPU_TRITON", triton)  # the kernels (interpreted), or a plain copy
     offloader = Offloader("always", 64 * MiB, "cpu")
     run = offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cpu")
     x = torch.randn(64, 256)  # 64 KiB: one chunk each
@@ -170,14 +170,6 @@ def _output(job) -> str:
 # segment's headroom.
 LIMIT = 8 * MiB
 BIG = ["--batch", "1024", "--depth", "12", "--steps", "2"]
-
-
-@pytest.fixture(autouse=True)
-def plain_copy(request, monkeypatch):
-    """Jobs copy with torch's plain copy: the interpreted kernels cost ~0.4 s per MiB
-    (the unit test above runs both)."""
-    if "tmp_path" in request.fixturenames:
-        monkeypatch.setattr(offload, "interpreting", lambda: False)
 
 
 def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_path):

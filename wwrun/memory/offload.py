@@ -13,7 +13,7 @@ fit the budget still trains, unchanged and with the same losses.
                  saved-tensor hook for each tensor autograd saves, `boundary()`
                  before each module call; saved tensors wait in `pending` until they
                  are worth a chunk, then are packed into one host buffer in one copy
-                 (triton_kernels.pack; a plain copy where Triton cannot run)
+                 (triton_kernels.pack on CUDA; a plain copy on the CPU)
     _Chunk       one packed buffer; its handles' first unpack in backward restores
                  it (one copy, triton_kernels.unpack) and prefetches the chunk saved
                  before it, so backward finds the next chunk on the device already
@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 import torch
 
 from triton_kernels import pack, unpack
-from triton_kernels.utils import interpreting
 
 from wwrun.config import OFFLOAD_MODES as MODES
 
@@ -63,6 +62,11 @@ CHUNKS_PER_ROOM = 8
 
 MIN_CHUNK_BYTES = 64 << 10
 """Smaller chunks cost more in per-copy overhead than they save."""
+
+CPU_TRITON = False
+"""Pack CPU chunks with the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1
+before triton is imported) rather than a plain copy: the same kernels a GPU runs, at
+~0.4 s per MiB, for tests of the kernels' path."""
 
 PRESSURE = 0.75
 """`auto` starts stashing in a profiled pass when the job's bytes above the pass
@@ -128,9 +132,9 @@ class HostPool:
 
 
 def _copy_out(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
-    """Pack `tensors` into `buffer`, in order: one Triton launch where Triton runs
-    (CUDA, or its CPU interpreter), else one plain copy per tensor."""
-    if tensors[0].is_cuda or interpreting():
+    """Pack `tensors` into `buffer`, in order: one Triton launch on CUDA (or under
+    CPU_TRITON), else one plain copy per tensor."""
+    if tensors[0].is_cuda or CPU_TRITON:
         pack(tensors, out=buffer)
         return
     offset = 0
@@ -142,7 +146,7 @@ def _copy_out(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
 
 def _copy_in(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """The inverse of _copy_out."""
-    if tensors[0].is_cuda or interpreting():
+    if tensors[0].is_cuda or CPU_TRITON:
         unpack(buffer, tensors)
         return
     offset = 0
