@@ -27,12 +27,13 @@ Rules (in order):
    which recomputes them) never reach it either.
 2. A storage saved twice while alive (a layer's output is the next layer's input) is
    one entry: restored once.
-3. `always` stashes from the first pass. `auto` stashes once the job needs it: its
-   claim does not fit what it can ever have (the engine's `need()`), or, while a pass
-   is profiled, its bytes above the pass start plus twice its largest one-module
+3. `always` stashes from the first pass. `auto` stashes once the job needs it: a
+   request of its can never be granted (the engine's `_start_offload`), or, while a
+   pass is profiled, its bytes above the pass start plus twice its largest one-module
    growth reach PRESSURE of its room. From then on the job stashes in every pass.
-4. A chunk is at most `room / CHUNKS_PER_ROOM` bytes: backward holds about two (the
-   one in use and the one prefetched) besides the tail forward left on the device.
+4. Pending tensors are stashed once they hold `room / CHUNKS_PER_ROOM` bytes, a chunk
+   closing at that size (or one tensor, if larger): backward holds about two chunks
+   (the one in use and the one prefetched) besides the tail forward left on the device.
 5. When the pool is full, tensors stay on the device (the job may then fail as it
    would without offload); nothing waits for host memory.
 
