@@ -1,7 +1,7 @@
 """Activation offload (issue 23): how much larger a job trains under one budget, and
 at what cost.
 
-    PYTHONPATH=. python benchmarks/offload.py                # CPU (~1-2 min on 2 cores)
+    PYTHONPATH=. python benchmarks/offload.py                # CPU (~10 s on 2 cores)
     PYTHONPATH=. python benchmarks/offload.py --device cuda  # the same on a GPU
 
 The job is benchmarks/offload_job.py (a residual MLP, 12 blocks of 256x256, its own
