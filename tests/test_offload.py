@@ -195,7 +195,8 @@ def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_pat
 @pytest.mark.parametrize("flags", [["--checkpoint"], ["--eval"], ["--shapes"], ["--thread"]])
 def test_offload_with_checkpointing_no_grad_passes_new_shapes_and_side_threads(tmp_path, flags):
     args = [*BIG, "--steps", "3", *flags]
-    result = _run(tmp_path, [JobSpec(name="big", script=SCRIPT, args=args)], memory_limit=LIMIT, trace=str(tmp_path / "t.json"))
+    result = _run(tmp_path, [JobSpec(name="big", script=SCRIPT, args=args)], memory_limit=LIMIT,
+                  trace=str(tmp_path / "t.json"))
     job = result.jobs[0]
     assert job.state == JobState.SUCCEEDED, job.error
     assert _output(job) == _reference(args)
@@ -277,3 +278,14 @@ def test_offload_options_from_the_command_line_and_a_recipe(tmp_path, capsys):
     assert main([str(recipe), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert "offload" in err and "never, auto, always" in err and len(err.splitlines()) == 1
+
+
+def test_offload_always_needs_the_engine(tmp_path):
+    from wwrun.config import ConfigError, preflight
+
+    def config(**options):
+        return LaunchConfig(jobs=[JobSpec(name="j", script=SCRIPT)], log_dir=str(tmp_path), **options)
+
+    with pytest.raises(ConfigError, match="offload: always needs the waterwave policy .* not sequential"):
+        preflight(config(policy="sequential", offload="always"))
+    preflight(config(policy="sequential"))  # auto, the default: off without the engine

@@ -558,6 +558,9 @@ def _check_observation(config: LaunchConfig) -> None:
             raise ConfigError(name, f"needs the waterwave policy, not {policy} (drop the policy option)")
     if config.memory_plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("memory_plot", "needs matplotlib, which is not installed (pip install matplotlib)")
+    if config.offload == "always" and policy != "waterwave":  # auto, the default, just stays off
+        raise ConfigError("offload", f"always needs the waterwave policy (several jobs or a memory limit), "
+                                     f"not {policy}")
 
 
 def options(cls=None) -> list[dataclasses.Field]:
