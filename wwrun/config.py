@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("waterwave", "concurrent", "sequential")
 QUEUES = ("fifo", "las")
+OFFLOAD_MODES = ("never", "auto", "always")
+OFFLOAD_HOST_SHARE = 0.5
+"""Without --offload-limit, offloaded activations may take this share of the host
+memory available when the run starts."""
 HALTS = ("never", "soon", "now")
 
 # Job names become folder names under the log directory: one rule, used by the CLI
@@ -323,6 +327,17 @@ class LaunchConfig:
     nodegroups: int | None = option(None, kind="count", minimum=1, metavar="N",
                                     help="NodeGroups per model (default: automatic)")
     """NodeGroups per model (waterwave policy); None chooses automatically."""
+    offload: str = option("auto", kind="choice", choices=OFFLOAD_MODES,
+                          help="move saved activations to host memory: never, auto (default: a job "
+                               "too large for the budget) or always")
+    """Activation offload (waterwave policy): never; auto, a job whose iteration cannot
+    fit what it can ever have stashes what its forward saves for backward in host
+    memory instead of failing; always, every job does."""
+    offload_limit: int | float | None = option(
+        None, kind="size", metavar="SIZE",
+        help=f"host memory offloaded activations may take (default: {OFFLOAD_HOST_SHARE * 100:.0f}%% of available)")
+    """Host bytes (int) or a fraction (float) of the host memory available at start
+    that offloaded activations may take; None: OFFLOAD_HOST_SHARE of it."""
     log_dir: str = option("wwrun_logs", kind="text", metavar="DIR", help="where logs go (default: wwrun_logs)")
     """Logs go to <log_dir>/<run_id>/<job>/{stdout.log,stderr.log,error.json}."""
     tee: bool = option(False, kind="flag", help="echo every job line to the terminal")
@@ -558,6 +573,9 @@ def _check_observation(config: LaunchConfig) -> None:
             raise ConfigError(name, f"needs the waterwave policy, not {policy} (drop the policy option)")
     if config.memory_plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("memory_plot", "needs matplotlib, which is not installed (pip install matplotlib)")
+    if config.offload == "always" and policy != "waterwave":  # auto, the default, just stays off
+        raise ConfigError("offload", f"always needs the waterwave policy (several jobs or a memory limit), "
+                                     f"not {policy}")
 
 
 def options(cls=None) -> list[dataclasses.Field]:

@@ -148,7 +148,7 @@ class Runner:
             self.device, config.memory_limit, self.policy,
             nodegroups=config.nodegroups, queue=config.queue, trace=bool(config.trace or config.memory_plot),
             note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
-            jobs_at_once=self.concurrency,
+            jobs_at_once=self.concurrency, offload=config.offload, offload_limit=config.offload_limit,
         )
         if self.memory.allocator != "waterwave":
             try:

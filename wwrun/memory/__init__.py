@@ -6,7 +6,7 @@
     scheduler.py   admission of jobs and NodeGroups under the budget (no torch)
     nodegroups.py  profiles -> balanced contiguous NodeGroups
     trace.py       Perfetto trace and memory plot
-    offload.py     stash tensors in pinned host memory and back
+    offload.py     activation offload: saved tensors to host memory and back
 
 The launcher makes one `Memory` per run and, in each job's thread, holds a
 `JobMemory` session for the job's life (`with memory.session(spec): run the
@@ -112,6 +112,9 @@ class Memory:
     jobs_at_once  the most jobs that run at once: on CUDA each has a stream whose
                 cuBLAS workspaces the budget plans for (`fixed_bytes`), and a thread
                 whose handles the device's headroom keeps room for
+    offload     never | auto | always, and offload_limit (bytes, a fraction of the
+                host memory available now, or None): activation offload
+                (wwrun/memory/offload.py), for the engine's jobs
     """
 
     def __init__(
@@ -126,8 +129,11 @@ class Memory:
         note: Callable[[str], None] = lambda line: None,
         current_job: Callable[[], str | None] | None = None,
         jobs_at_once: int = 1,
+        offload: str = "never",
+        offload_limit: int | float | None = None,
     ):
         self.device = device
+        self._offload = (offload, offload_limit)
         self._note = note
         self.jobs_at_once = max(1, jobs_at_once)
         self.fixed_bytes = 0
@@ -215,6 +221,7 @@ class Memory:
             return None
         from wwrun.memory.engine import Engine
 
+        mode, host_limit = self._offload
         engine = Engine(
             None if self.limit is None else self.limit - self.fixed_bytes,
             policy=policy,
@@ -225,10 +232,21 @@ class Memory:
             current_job=current_job,
             meter=self._meter if self.allocator == "waterwave" else None,
             largest_block=self._largest_block if self.allocator == "waterwave" else None,
+            offload=mode,
+            offload_limit=self._offload_limit(host_limit),
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
         return engine
+
+    @staticmethod
+    def _offload_limit(limit) -> int:
+        """--offload-limit in bytes: a fraction is of the host memory available now,
+        and without one, OFFLOAD_HOST_SHARE of it."""
+        from wwrun.config import OFFLOAD_HOST_SHARE, resolve_size
+
+        available = _meminfo("MemAvailable") or host_total()
+        return int(OFFLOAD_HOST_SHARE * available) if limit is None else resolve_size(limit, available)
 
     def close(self) -> None:
         """The run ended: torch's own CPU allocator serves new tensors again (those

@@ -64,6 +64,13 @@ Passes under `no_grad` keep nothing for backward, but their temporaries take mem
 (an evaluation set in one batch): each waits for the job's claim, and the first of an
 input signature is measured as a profile is (`_begin_evaluation`).
 
+Offload (wwrun/memory/offload.py; `offload` is never, auto or always): a job whose
+request can never be granted (its claim beyond the budget less what stays) stashes
+what its passes save for backward in host memory instead of failing with JobTooLarge,
+and its requests are capped at that room; while a pass is profiled, auto watches the
+allocator's figure at each module call and starts stashing before the budget is
+reached. Such a pass keeps per-tensor saved-tensor hooks (no stand-ins).
+
 Limitations: models first called after a job's first optimizer step are not found;
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
 gated but its activations are not counted, so as not to defeat those hooks.
@@ -140,6 +147,7 @@ class _Pass:
     sentinel_hooks: tuple | None = None  # measured steady state: our pushed (pack, unpack)
     profile_held: int = 0  # while profiling: held when the latest module began
     profile_step: int = 0  # while profiling: the most one module grew above that
+    offload: object = None  # wwrun.memory.offload.PassOffload: its saved tensors may go to the host
 
 
 @dataclass(eq=False)
@@ -156,7 +164,7 @@ class _Job:
     param_keys: set[int] = field(default_factory=set)
     discovering: bool = True
     current: _Pass | None = None
-    saved: dict[int, int] = field(default_factory=dict)  # storage -> live saved tensors
+    saved: dict[object, int] = field(default_factory=dict)  # storage (or offload handle) -> live saved tensors
     retained: int = 0
     persistent: int = 0  # measured now
     persistent_peak: int = 0  # most measured
@@ -215,6 +223,8 @@ class Engine:
                     job keeps free while it shares the budget, at least
                     SHARING_HEADROOM (free bytes scattered in segments may not hold
                     its next request in one piece)
+    offload         never | auto | always: whether a job's saved activations may go
+                    to host memory (wwrun/memory/offload.py); offload_limit: host bytes
     """
 
     def __init__(
@@ -229,6 +239,8 @@ class Engine:
         current_job: Callable[[], str | None] | None = None,
         meter: Callable[[str], Callable[[bool], tuple[int, int]]] | None = None,
         largest_block: Callable[[str], int] | None = None,
+        offload: str = "never",
+        offload_limit: int = 0,
     ):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -247,6 +259,8 @@ class Engine:
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._meter_of = meter
         self._largest_block = largest_block
+        self._offload_options = (offload, offload_limit)
+        self._offloader = None  # made at first need (it imports Triton)
         self._cond = forksafe.Condition(forksafe.RLock())
         self._jobs: dict[str, _Job] = {}
         self._total = 0
@@ -280,6 +294,8 @@ class Engine:
             if self._meter_of is not None:
                 job.meter = self._meter_of(name)
             self._jobs[name] = job
+            if self._offloader is not None:
+                self._offloader.forget(name)
             self.timeline.track(name)
             self.scheduler.enqueue(name, priority)
             waited_from = time.perf_counter()
@@ -345,10 +361,15 @@ class Engine:
             "queued_s": round(job.queued_s, 6),
             "iterations": job.iterations,
             "nodegroups": groups,
+            **self._offload_report(name),
         }
 
     def run_report(self) -> dict:
-        return {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+        report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+        if self._offloader is not None:  # the host pool: the most it held, and its limit
+            report.update(offload_host_peak_bytes=self._offloader.pool.peak,
+                          offload_limit_bytes=self._offloader.pool.limit)
+        return report
 
     def write_trace(self, path: str) -> None:
         self.timeline.write_trace(path, self.capacity)
@@ -424,6 +445,8 @@ class Engine:
         current = job.current  # a model called inside another is one of its nodes
         if current is None:
             return
+        if current.offload is not None:
+            current.offload.boundary(current.profile_step)
         if current.plan is None:
             name = current.node_names.get(module)
             if name is not None:
@@ -512,11 +535,12 @@ class Engine:
             # Someone else's saved-tensor hooks (activation checkpointing, offloading)
             # decide what this pass keeps: ours on top would bypass them.
             return
-        if plan is not None and plan.measured and job.meter is not None:
+        current.offload = self._begin_offload(job, current)
+        if plan is not None and plan.measured and job.meter is not None and current.offload is None:
             self._push_sentinel(job, current, 0)
             return
         current.saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self._pack(job, t), _unpack
+            lambda t: self._pack(job, t, current.offload), _unpack
         )
         current.saved_hooks.__enter__()
 
@@ -556,6 +580,7 @@ class Engine:
     def _end_pass(self, job: _Job, failed: bool) -> None:
         current, now = job.current, time.perf_counter()
         job.current = None
+        current.offload = None  # forward is over: what it left on the device stays for backward
         if current.saved_hooks is not None:
             current.saved_hooks.__exit__(None, None, None)
         self._pop_sentinel(current)
@@ -709,12 +734,15 @@ class Engine:
         with self._cond:
             if pass_start and not profile:
                 job.reserved = 0
-            want = max(job.retained, job.reserved, target)
+            want = self._offload_cap(job, max(job.retained, job.reserved, target))
             started = time.perf_counter()
             while True:
                 decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
                 if decision is Decision.GRANT:
                     break
+                if decision is Decision.TOO_LARGE and self._start_offload(job, want):
+                    want = self._offload_cap(job, want)
+                    continue
                 if decision is Decision.TOO_LARGE:
                     job.failed = self._too_large_message(job, want)
                 self._wait_for_memory(job)
@@ -740,6 +768,8 @@ class Engine:
                     self._tell(job.name, "running")
                 job.waiting_since = 0.0
                 return
+            if decision is Decision.TOO_LARGE and self._start_offload(job, 0):
+                continue
             if decision is Decision.TOO_LARGE:
                 job.failed = self._too_large_message(job, 0)
             self._wait_for_memory(job)
@@ -792,14 +822,79 @@ class Engine:
             job.wait_s += now - since
             self.timeline.span(job.name, label, since, now)
 
+    # ---- offload (wwrun/memory/offload.py) ---------------------------------------------
+    # A job whose iteration cannot fit what it can ever have stashes the tensors its
+    # forward saves in host memory instead of failing: its requests are then capped at
+    # that room (the offload keeps its bytes under it), and it never is "too large".
+    @property
+    def offloader(self):
+        mode, limit = self._offload_options
+        if self._offloader is None and mode != "never" and limit:  # a limit of 0: no host memory
+            from wwrun.memory.offload import Offloader
+
+            self._offloader = Offloader(mode, limit, self.device, span=self._offload_span)
+        return self._offloader
+
+    def _offload_span(self, name: str, label: str, start: float, end: float, nbytes: int) -> None:
+        self.timeline.span(name, label, start, end, bytes=nbytes)
+
+    def _offload_room(self, job: _Job) -> int:
+        """The activation bytes the job can ever have: the budget less what stays and,
+        under the allocator, less the room its largest block needs in one piece."""
+        state = self.scheduler.jobs.get(job.name)
+        persistent = max(job.persistent_reserved, state.persistent if state else 0, job.baseline or 0)
+        headroom = self.scheduler.headroom_per_job if state is None else state.headroom
+        return self.capacity - persistent - headroom
+
+    def _stashing(self, job: _Job) -> bool:
+        offloader = self._offloader
+        return offloader is not None and self.capacity is not None and offloader.job(job.name).stashing
+
+    def _offload_cap(self, job: _Job, held: int) -> int:
+        return min(held, max(0, self._offload_room(job))) if self._stashing(job) else held
+
+    def _start_offload(self, job: _Job, want: int) -> bool:
+        """The job is too large: it stashes from now on (auto), if it may, and its
+        claim is what it can have (the offload keeps it within). False when offload
+        cannot help (what stays is too large already): it fails as before."""
+        room = self._offload_room(job) if self.capacity is not None else 0
+        state = self.scheduler.jobs.get(job.name)
+        if room <= 0 or state is None or self.offloader is None:
+            return False
+        offload = self.offloader.job(job.name)
+        if offload.stashing and want <= room and (state.claim or 0) <= room:
+            return False
+        offload.stashing = True
+        if state.claim is not None:
+            state.claim = min(state.claim, room)
+        return True
+
+    def _begin_offload(self, job: _Job, current: _Pass):
+        """A grad pass's offload: stashing (always, or a job that needs it), watching
+        (auto, a profiled pass, with the allocator's figures), else None."""
+        if self.capacity is None or self.offloader is None:
+            return None
+        watch = None
+        if current.plan is None and job.meter is not None and job.baseline is not None:
+            watch = lambda: job.meter(False)[0] - job.baseline  # noqa: E731
+        return self.offloader.begin_pass(job.name, self._offload_room(job), self.device, held=watch)
+
+    def _offload_report(self, name: str) -> dict:
+        if self._offloader is None:
+            return {"offloaded_bytes": 0, "fetched_bytes": 0, "fetch_stall_s": 0.0}
+        return self._offloader.report(name)
+
     # ---- measurement --------------------------------------------------------------------
-    def _pack(self, job: _Job, tensor: torch.Tensor):
+    def _pack(self, job: _Job, tensor: torch.Tensor, offload=None):
         nbytes = _nbytes(tensor)
         if nbytes == 0:
             return tensor
         key = _storage_key(tensor)
         if key in job.param_keys:
             return tensor
+        stored = tensor if offload is None else offload.keep(tensor)
+        if stored is not tensor:  # offloaded, its address may serve another storage: keyed by its handle
+            key = ("offloaded", id(stored))
         with self._cond:
             count = job.saved.get(key, 0)
             job.saved[key] = count + 1
@@ -811,7 +906,7 @@ class Engine:
                     current.nodes[-1].retained_bytes += nbytes
                 if job.meter is None:  # the allocator's figures are read at group boundaries
                     self._note_peaks(job)
-        return _Saved(tensor, self, job, key, nbytes)
+        return _Saved(stored, self, job, key, nbytes)
 
     # A measured pass (the allocator counts the bytes) needs no per-tensor accounting,
     # only backward's progress: the first tensor each group saves stands for the
@@ -870,7 +965,7 @@ class Engine:
     def _report_held(self, job: _Job) -> None:
         if job.ended is not None or self._jobs.get(job.name) is not job:
             return  # an ended attempt's late frees: a retry of the same name holds its own
-        held = max(job.retained, job.reserved)
+        held = self._offload_cap(job, max(job.retained, job.reserved))
         self.scheduler.release(job.name, held)
         self._sample(job)
         self._cond.notify_all()
@@ -1038,7 +1133,8 @@ class Engine:
 
 
 def _unpack(saved):
-    return saved.tensor if isinstance(saved, _Saved) else saved
+    tensor = saved.tensor if isinstance(saved, _Saved) else saved
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.get()  # an offloaded one's handle
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

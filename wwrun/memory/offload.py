@@ -1,50 +1,456 @@
-"""Move tensors out of device memory into one pinned host buffer, and back, with one
-fused copy each way (`triton_kernels.pack` / `unpack`).
+"""Activation offload: the tensors a job's forward saves for backward go to host
+memory in packed chunks and come back ahead of backward (TENSILE, arXiv 2105.13336,
+tensor-granular swapping under a lower peak), so that a job whose iteration does not
+fit the budget still trains, unchanged and with the same losses.
 
-For the scheduler: a job waiting at a NodeGroup gate still holds the activations it
-saved for backward while another job's forward needs the room. `stash(tensors)`
-gathers any number of tensors, of any dtypes, into one host buffer in one launch;
-once the caller drops the originals, their device memory is free for the other job.
-`Stash.restore()` allocates them again and scatters the bytes back in one launch.
+    Offloader    one per run: the mode (never | auto | always), the host pool and
+                 each job's figures (bytes offloaded and fetched, time stalled)
+    HostPool     the host memory chunks are packed into, under --offload-limit:
+                 pinned on CUDA (allocated once per size and reused), and on the
+                 CPU anonymous mmap pages the run's CPU allocator never sees, so
+                 that the budget (which stands for device memory) does not count them
+    PassOffload  one forward pass: `keep(tensor)` is called by the engine's
+                 saved-tensor hook for each tensor autograd saves, `boundary()`
+                 before each module call; saved tensors wait in `pending` until they
+                 are worth a chunk, then are packed into one host buffer in one copy
+                 (triton_kernels.pack on CUDA; a plain copy on the CPU)
+    _Chunk       one packed buffer; its handles' first unpack in backward restores
+                 it (one copy, triton_kernels.unpack) and prefetches the chunk saved
+                 before it, so backward finds the next chunk on the device already
 
-Both are asynchronous on the current stream and never block the host (they may be
-called from a backward hook, on the autograd thread that all jobs share): an event
-orders the restore after the stash on whatever stream restores, and the host buffer
-stays referenced until the copy reading it has run.
+Rules (in order):
+1. Only tensors that own their storage whole (contiguous, offset 0, the storage's
+   size) and live on the pass's device are offloaded: a view's base may be alive
+   (nothing freed) and a restored copy has exactly the original's layout, so the
+   backward computes the same bits. Parameters never reach `keep` (the engine keeps
+   them); tensors inside someone else's saved-tensor hooks (torch.utils.checkpoint,
+   which recomputes them) never reach it either.
+2. A storage saved twice while alive (a layer's output is the next layer's input) is
+   one entry: restored once.
+3. `always` stashes from the first pass. `auto` stashes once the job needs it: a
+   request of its can never be granted (the engine's `_start_offload`), or, while a
+   pass is profiled, its bytes above the pass start plus twice its largest one-module
+   growth reach PRESSURE of its room. From then on the job stashes in every pass.
+4. Pending tensors are stashed once they hold `room / CHUNKS_PER_ROOM` bytes, a chunk
+   closing at that size (or one tensor, if larger): backward holds about two chunks
+   (the one in use and the one prefetched) besides the tail forward left on the device.
+5. When the pool is full, tensors stay on the device (the job may then fail as it
+   would without offload); nothing waits for host memory.
+
+On CUDA the copies run on a side stream of the job's (ordered by events, so forward
+and backward compute overlap them) and `record_stream` keeps a block from being reused
+while a copy reads it; nothing in a backward hook waits on the host. On the CPU they
+are synchronous, through the same chunks and handles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import mmap
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from triton_kernels import pack, unpack
 
+from wwrun.config import OFFLOAD_MODES as MODES
 
-@dataclass(frozen=True)
-class _Layout:
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
+CHUNKS_PER_ROOM = 8
+"""A chunk holds at most this fraction of the job's room: backward holds about two."""
+
+MIN_CHUNK_BYTES = 64 << 10
+"""Smaller chunks cost more in per-copy overhead than they save."""
+
+CPU_TRITON = False
+"""Pack CPU chunks with the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1
+before triton is imported) rather than a plain copy: the same kernels a GPU runs, at
+~0.4 s per MiB, for tests of the kernels' path."""
+
+PRESSURE = 0.75
+"""`auto` starts stashing in a profiled pass when the job's bytes above the pass
+start, plus twice its largest one-module growth, reach this share of its room."""
 
 
+# ---- host memory -----------------------------------------------------------------
+class HostPool:
+    """Host buffers for chunks, `limit` bytes at most (free ones included). A freed
+    buffer is kept for the next chunk of its size (iterations repeat their sizes), so
+    pinned memory is registered once and reused; a new size evicts free buffers when
+    the pool would go over its limit."""
+
+    def __init__(self, limit: int, pinned: bool):
+        if limit < 0:
+            raise ValueError(f"offload limit must be >= 0, got {limit}")
+        self.limit = limit
+        self.pinned = pinned
+        self.held = 0  # bytes of every buffer, free or in use
+        self.peak = 0
+        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor | None, object]:
+        """(a uint8 host buffer of `nbytes`, the CUDA event after which it is free or
+        None), or (None, None) when the limit leaves no room."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+            while self.held + nbytes > self.limit and self._evict():
+                pass
+            if self.held + nbytes > self.limit:
+                return None, None
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+        return self._allocate(nbytes), None
+
+    def _evict(self) -> bool:
+        """Frees the largest free buffer no copy still uses; False if none."""
+        for size in sorted(self._free, reverse=True):
+            entries = self._free[size]
+            for i, (_, done) in enumerate(entries):
+                if done is None or done.query():
+                    del entries[i]
+                    if not entries:
+                        del self._free[size]
+                    self.held -= size
+                    return True
+        return False
+
+    def give(self, buffer: torch.Tensor, done=None) -> None:
+        """`buffer` is free once `done` (a CUDA event: the last copy using it) is."""
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append((buffer, done))
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Pages of our own: torch.frombuffer wraps them without torch's CPU allocator
+        # (wwrun's, during a run), so they count to no job and to no budget.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def _copy_out(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Pack `tensors` into `buffer`, in order: one Triton launch on CUDA (or under
+    CPU_TRITON), else one plain copy per tensor."""
+    if tensors[0].is_cuda or CPU_TRITON:
+        pack(tensors, out=buffer)
+        return
+    offset = 0
+    for tensor in tensors:
+        nbytes = _nbytes(tensor)
+        buffer[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += nbytes
+
+
+def _copy_in(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """The inverse of _copy_out."""
+    if tensors[0].is_cuda or CPU_TRITON:
+        unpack(buffer, tensors)
+        return
+    offset = 0
+    for tensor in tensors:
+        nbytes = _nbytes(tensor)
+        tensor.reshape(-1).view(torch.uint8).copy_(buffer[offset:offset + nbytes])
+        offset += nbytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Rule 1: a plain dense tensor that is its whole storage, contiguous."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.numel():
+        return False
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and storage.nbytes() == _nbytes(tensor))
+
+
+# ---- the figures ---------------------------------------------------------------------
+@dataclass
+class JobOffload:
+    """One job's offload state and figures (for the report)."""
+
+    name: str
+    stashing: bool = False  # rule 3: once on, every pass of the job stashes
+    offloaded_bytes: int = 0
+    fetched_bytes: int = 0
+    fetch_stall_s: float = 0.0
+    kept_bytes: int = 0  # saved tensors that stayed on the device: pool full
+    stream: object = None  # on CUDA, the job's copy stream
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self) -> dict:
+        return {
+            "offloaded_bytes": self.offloaded_bytes,
+            "fetched_bytes": self.fetched_bytes,
+            "fetch_stall_s": round(self.fetch_stall_s, 6),
+        }
+
+
+class Offloader:
+    """Offload for one run.
+
+    mode        never | auto | always (see rule 3)
+    limit       host bytes the pool may hold (--offload-limit, resolved by wwrun.memory)
+    device      'cpu' or 'cuda'
+    span        (job, label, start, end, bytes) -> None: trace spans ("offload", "fetch")
+    """
+
+    def __init__(self, mode: str, limit: int, device: str,
+                 span: Callable[[str, str, float, float, int], None] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"offload mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.device = device
+        self.pool = HostPool(limit, pinned=device == "cuda")
+        self._span = span or (lambda *_: None)
+        self._jobs: dict[str, JobOffload] = {}
+
+    def job(self, name: str) -> JobOffload:
+        job = self._jobs.get(name)
+        if job is None:
+            job = self._jobs[name] = JobOffload(name)
+        return job
+
+    def forget(self, name: str) -> None:
+        """A new attempt of a job starts afresh (its figures are its own)."""
+        self._jobs.pop(name, None)
+
+    def report(self, name: str) -> dict:
+        return self.job(name).report()
+
+    def begin_pass(self, name: str, room: int, device: torch.device | str,
+                   held: Callable[[], int] | None = None) -> PassOffload | None:
+        """The offload of a forward pass of job `name`, which may hold `room` bytes
+        above its pass start; None when it stashes nothing. `held`, while the pass is
+        profiled in auto mode: the job's bytes above its pass start now (rule 3)."""
+        if self.mode == "never" or room <= 0:
+            return None
+        job = self.job(name)
+        if self.mode == "always":
+            job.stashing = True
+        if not job.stashing and held is None:
+            return None
+        return PassOffload(self, job, room, torch.device(device).type, held)
+
+
+# ---- one pass ----------------------------------------------------------------------
+class _Handle:
+    """What autograd keeps for an offloaded saved tensor."""
+
+    __slots__ = ("tensor", "chunk", "index")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor  # on the device until stashed
+        self.chunk: _Chunk | None = None
+        self.index = 0
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        return self.chunk.tensor(self.index)
+
+
+class PassOffload:
+    def __init__(self, offloader: Offloader, job: JobOffload, room: int, device: str,
+                 held: Callable[[], int] | None):
+        self.offloader = offloader
+        self.job = job
+        self.room = room
+        self.device = device  # 'cpu' or 'cuda'
+        self.held = held  # watching (auto, profiled) until `job.stashing`
+        self.chunk_bytes = max(MIN_CHUNK_BYTES, room // CHUNKS_PER_ROOM)
+        self.thread = threading.get_ident()
+        self.pending: list[_Handle] = []
+        self.pending_bytes = 0
+        self.last: _Chunk | None = None
+        # Rule 2: storage address -> (a weak reference to a tensor there, its version, its handle)
+        self._seen: dict[int, tuple[weakref.ref, int, _Handle]] = {}
+
+    def keep(self, tensor: torch.Tensor):
+        """From the saved-tensor pack hook: what autograd keeps instead of `tensor`."""
+        if tensor.device.type != self.device or not _owns_storage(tensor):
+            return tensor
+        key = tensor.untyped_storage().data_ptr()
+        seen = self._seen.get(key)
+        if seen is not None:
+            ref, version, handle = seen
+            other = ref()
+            if (other is not None and other.untyped_storage().data_ptr() == key
+                    and other.dtype == tensor.dtype and other.shape == tensor.shape
+                    and tensor._version == version):
+                return handle
+        handle = _Handle(tensor)
+        self._seen[key] = (weakref.ref(tensor), tensor._version, handle)
+        self.pending.append(handle)
+        self.pending_bytes += _nbytes(tensor)
+        return handle
+
+    def boundary(self, step: int = 0) -> None:
+        """Before a module call on the pass's thread: stash what is worth a chunk.
+        `step`: the largest growth of one module so far (profiled passes)."""
+        if threading.get_ident() != self.thread or not self.pending:
+            return
+        if not self.job.stashing:
+            if self.held is None or self.held() + 2 * step < PRESSURE * self.room:
+                return
+            self.job.stashing = True  # rule 3: from now on, and in every later pass
+        if self.pending_bytes >= self.chunk_bytes:
+            self.stash()
+
+    def stash(self) -> None:
+        """Pack every pending tensor into chunks of at most `chunk_bytes`."""
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
+        self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+        start, size = 0, 0
+        for i, handle in enumerate(pending):
+            size += _nbytes(handle.tensor)
+            if size >= self.chunk_bytes or i == len(pending) - 1:
+                self._stash_chunk(pending[start:i + 1], size)
+                start, size = i + 1, 0
+
+    def _stash_chunk(self, handles: list[_Handle], nbytes: int) -> None:
+        offloader, job = self.offloader, self.job
+        buffer, free_after = offloader.pool.take(nbytes)
+        if buffer is None:  # rule 5
+            with job.lock:
+                job.kept_bytes += nbytes
+            return
+        began = time.perf_counter()
+        self.last = _Chunk(offloader, job, handles, buffer, free_after, self.last)
+        offloader._span(job.name, "offload", began, time.perf_counter(), nbytes)
+        with job.lock:
+            job.offloaded_bytes += nbytes
+
+
+class _Chunk:
+    """Saved tensors packed into one host buffer. Alive while a handle of it is
+    (autograd's graph); the chunk saved before it is its `previous`, prefetched when
+    this one is first fetched."""
+
+    def __init__(self, offloader: Offloader, job: JobOffload, handles: list[_Handle],
+                 buffer: torch.Tensor, free_after, previous: _Chunk | None):
+        tensors = [h.tensor for h in handles]
+        self.offloader, self.job = offloader, job
+        self.layouts = [(t.shape, t.dtype, t.device) for t in tensors]
+        self.nbytes = sum(_nbytes(t) for t in tensors)
+        self.buffer = buffer
+        self.previous = previous
+        self.restored: list[torch.Tensor] | None = None
+        self.lock = threading.Lock()
+        self.ready = None  # on CUDA: the event after which the restored tensors are written
+        self.stream = None
+        if tensors[0].is_cuda:
+            self.stream = _copy_stream(job, tensors[0].device)
+            compute = torch.cuda.current_stream(tensors[0].device)
+            self.stream.wait_stream(compute)  # the tensors are written
+            if free_after is not None:  # the buffer's last copy (maybe another job's stream) is done
+                self.stream.wait_event(free_after)
+            with torch.cuda.stream(self.stream):
+                _copy_out(tensors, buffer)
+            for tensor in tensors:  # their blocks are not reused before the copy read them
+                tensor.record_stream(self.stream)
+        else:
+            _copy_out(tensors, buffer)
+        for i, handle in enumerate(handles):
+            handle.tensor, handle.chunk, handle.index = None, self, i
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """A handle's tensor, on the device: the first call restores the chunk (a
+        stall, unless prefetched) and prefetches the one before it."""
+        with self.lock:
+            restored = self.restored
+        if restored is None:
+            began = time.perf_counter()
+            restored = self._fetch()
+            stalled = time.perf_counter() - began
+            with self.job.lock:
+                self.job.fetch_stall_s += stalled
+        if self.ready is not None:
+            torch.cuda.current_stream(restored[index].device).wait_event(self.ready)
+        previous, self.previous = self.previous, None
+        if previous is not None:
+            previous._fetch()  # prefetch one chunk ahead
+        return restored[index]
+
+    def _fetch(self) -> list[torch.Tensor]:
+        with self.lock:
+            if self.restored is not None:
+                return self.restored
+            began = time.perf_counter()
+            out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self.layouts]
+            if self.stream is not None:
+                compute = torch.cuda.current_stream(out[0].device)
+                self.stream.wait_stream(compute)  # the new blocks' earlier users are done
+                with torch.cuda.stream(self.stream):
+                    _copy_in(self.buffer, out)
+                    self.ready = torch.cuda.Event()
+                    self.ready.record()
+                for tensor in out:
+                    tensor.record_stream(self.stream)
+            else:
+                _copy_in(self.buffer, out)
+            self.restored = out
+            self.offloader._span(self.job.name, "fetch", began, time.perf_counter(), self.nbytes)
+        with self.job.lock:
+            self.job.fetched_bytes += self.nbytes
+        return out
+
+    def __del__(self):
+        buffer, self.buffer = self.buffer, None
+        if buffer is None:
+            return
+        try:
+            done = None
+            if self.stream is not None:  # its next user waits for our copies (never the host)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self.offloader.pool.give(buffer, done)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the buffer goes with it
+            pass
+
+
+def _copy_stream(job: JobOffload, device: torch.device):
+    """The job's copy stream, made on first use by the job's thread (the allocator
+    then counts what is allocated on it to the job)."""
+    if job.stream is None:
+        job.stream = torch.cuda.Stream(device)
+    return job.stream
+
+
+def unpack_saved(saved):
+    """The saved-tensor unpack hook's side: a handle's tensor, on the device."""
+    return saved.get() if isinstance(saved, _Handle) else saved
+
+
+# ---- stashing a list of tensors at once ----------------------------------------------
 class Stash:
     """Tensors held in one host buffer; `restore()` gives equal tensors on their devices."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         tensors = list(tensors)
-        self._layouts = [_Layout(t.shape, t.dtype, t.device) for t in tensors]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        for tensor in tensors:
+            if not tensor.is_contiguous():
+                raise ValueError("stash: tensors must be contiguous (a tensor is not contiguous)")
+        self._layouts = [(t.shape, t.dtype, t.device) for t in tensors]
+        self.nbytes = sum(_nbytes(t) for t in tensors)
         on_cuda = any(t.device.type == "cuda" for t in tensors)
         self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
-        pack(tensors, out=self._buffer)
+        if tensors:
+            pack(tensors, out=self._buffer)
         self._written = _record_event() if on_cuda else None
 
     def restore(self) -> list[torch.Tensor]:
         """New tensors equal to the stashed ones, on their original devices."""
-        out = [torch.empty(layout.shape, dtype=layout.dtype, device=layout.device) for layout in self._layouts]
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._layouts]
         if self._written is not None:
             torch.cuda.current_stream().wait_event(self._written)
         unpack(self._buffer, out)
