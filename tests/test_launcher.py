@@ -752,3 +752,15 @@ def test_a_job_waiting_for_room_is_queued_with_its_reason_not_failed(tmp_path):
     assert waited.total_seconds() > 0.1  # it waited for "early" to end
     assert result.jobs[1].extra["queued_s"] >= waited.total_seconds() - 0.01
     assert "reason" not in result.to_dict()["jobs"][1]  # ended: it waits for nothing
+
+
+def test_a_job_in_a_missing_folder_fails_and_only_a_folder_per_job_is_made(tmp_path):
+    """A cwd with `{job}` is a folder per job, made when it starts; any other cwd that
+    does not exist is a mistake the job reports, not a folder wwrun makes."""
+    typo = tmp_path / "no-such-folder"
+    result = run(tmp_path, ending("typo", cwd=str(typo)), ending("own", cwd=str(tmp_path / "runs" / "{job}")))
+    typo_job, own = result.jobs
+    assert typo_job.state == JobState.FAILED and "no-such-folder" in typo_job.error, typo_job
+    assert not typo.exists()
+    assert own.state == JobState.SUCCEEDED and own.cwd == str(tmp_path / "runs" / "own")
+    assert (tmp_path / "runs" / "own").is_dir()

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from wwrun import host, isolation, jobthread
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
+from wwrun.config import JOB_PLACEHOLDER, ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
 from wwrun.display import write_collision
 from wwrun.output import JobOutput, Pump
 from wwrun.result import (
@@ -71,6 +71,9 @@ class Job:
     """One running copy of a JobSpec (its attempts, when it is retried)."""
 
     def __init__(self, spec: JobSpec, index: int, run_dir: Path, launcher_cwd: str, retries: int):
+        self.own_cwd = JOB_PLACEHOLDER in (spec.cwd or "")
+        """Its cwd is a folder per job (`runs/{job}`): made when it starts. Any other
+        cwd must exist (the job fails entering it, as a typo should)."""
         self.spec = spec = spec.placed()  # `{job}` in its args and cwd: its name
         self.index = index
         self.folder = run_dir / spec.name
@@ -348,7 +351,7 @@ class Runner:
         job.output = JobOutput(spec.name, folder)
         pump.add(job.output)
         script_dir = os.path.dirname(spec.script) if spec.script else job.result.cwd
-        if spec.cwd and not os.path.isdir(spec.cwd):  # a folder per job (`runs/{job}`)
+        if job.own_cwd and not os.path.isdir(spec.cwd):
             try:
                 os.makedirs(spec.cwd, exist_ok=True)
             except OSError:
