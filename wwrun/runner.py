@@ -46,7 +46,7 @@ from wwrun.display import write_collision
 from wwrun.output import JobOutput, Pump
 from wwrun.result import (
     EXIT_INTERRUPTED, EXIT_TIMEOUT, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder,
-    point_latest, retry_note, run_exit_code, seconds, write_error_json, write_run_report,
+    retry_note, run_exit_code, seconds, start_run_folder, write_error_json, write_run_report,
 )
 
 
@@ -124,8 +124,7 @@ class Runner:
         self._cpu_threads = cpu_threads
         self.policy = config.resolved_policy
         self.device = resolve_device(config.device)
-        self.log_root = Path(config.log_dir).absolute()
-        self.run_dir = self.log_root / config.run_id
+        self.run_dir = Path(config.log_dir).absolute() / config.run_id
         self._launcher_cwd = os.getcwd()
         self.writes = isolation.WriteWatch(on_collision=self._on_write_collision)
         """Which job wrote which file: two writing one path are named."""
@@ -171,13 +170,7 @@ class Runner:
             self.memory.close()  # torch's own CPU allocator serves again, whatever happened
 
     def _run(self) -> RunResult:
-        from wwrun.recipe import dump_recipe
-
-        # The log folder is made only now that jobs start: a refused run leaves none.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(dump_recipe(self.config))
-        point_latest(self.log_root, self.run_dir)
-        self.display.note(f"run {self.config.run_id}: logs in {self.run_dir}", important=False)
+        start_run_folder(self.config, self.run_dir, self.display.note)
         self._children_before = host.child_pids()
         end_subreaper = host.become_subreaper()
         self._crash_log = host.CrashLog(self.run_dir)
