@@ -245,3 +245,29 @@ def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
     assert check.verdict == doctor.PASS and check.figures["install"] == "not installed"
     assert "pip install --no-index --no-build-isolation --no-deps -e ." in check.advice
     assert check.advice in doctor.line(check, 12)
+
+
+def test_an_interrupted_doctor_ends_the_step_it_was_running(tmp_path):
+    """A step runs in its own session (so that a hang is ended whole); a Ctrl-C of the
+    doctor must end it too, not leave it running on the device beside the next command."""
+    pid_file = tmp_path / "pid"
+    step = _step("sleeps", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 30  # the child's start
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    import threading
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        doctor.run_step(step, "cpu", 60, tmp_path)
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    os.killpg(pid, signal.SIGKILL)
+    pytest.fail("the step's process outlived the interrupted doctor")
