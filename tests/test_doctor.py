@@ -182,10 +182,21 @@ def step(name, code):
     return doctor.Step(name, name, lambda d, t, o: [sys.executable, "-c", code.format(out=str(o))], allocator=None)
 doctor.STEPS = [
     step("writes", "import json, pathlib; pathlib.Path({out!r}, 'artefact.txt').write_text('x'); print(json.dumps({{'n': 1}}))"),
-    step("hangs", "import threading; threading.Event().wait()"),
+    step("hangs", "import os, pathlib, threading; pathlib.Path({out!r}, 'hangs.pid').write_text(str(os.getpid())); "
+                  "threading.Event().wait()"),
 ]
 sys.exit(doctor.main(["--full", "--out", sys.argv[1], "--device", "cpu"]))
 """
+
+
+def _kill_step(pid_file: Path) -> None:
+    deadline = time.monotonic() + 30  # the step's start, if the doctor got that far
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
@@ -203,8 +214,9 @@ def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
         else:
             pytest.fail("the first step never reached doctor.json within 120 s")
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # the doctor and the hanging step
+        os.killpg(child.pid, signal.SIGKILL)  # the doctor
         child.communicate()
+        _kill_step(out / "hangs.pid")  # in a session of its own: a SIGKILLed doctor cannot end it
     data = json.loads(path.read_text())
     assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("writes", "pass")]
     assert data["remaining"] == ["hangs"] and (out / "artefact.txt").read_text() == "x"
