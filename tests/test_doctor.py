@@ -169,10 +169,20 @@ def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsy
 
 
 def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
-    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": []}))
+    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": [], "durations": {},
+                                                      "commands": []}))
     with pytest.raises(SystemExit) as exit:
         doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
     assert exit.value.code == 2 and "made with another torch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["[1]", "{}", '{"steps": [], "durations": {}}', '{"steps": [1], "durations": {}, "commands": []}'])
+def test_resume_refuses_a_json_it_cannot_go_on_from(tmp_path, capsys, text):
+    (tmp_path / "doctor.json").write_text(text)
+    with pytest.raises(SystemExit) as exit:
+        doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "is not a doctor's JSON" in err and len(err.strip().splitlines()) == 1, err
 
 
 _KILLED_DRIVER = """

@@ -693,9 +693,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume is not None:
         try:
             data = json.loads(path.read_text())
-            mismatch = [k for k in ("device", "device_name", "torch") if data.get(k) != environment.figures.get(k)]
-        except (ValueError, AttributeError):
+            whole = (all(isinstance(s["name"], str) for s in data["steps"])
+                     and isinstance(data["durations"], dict) and isinstance(data["commands"], list))
+        except (ValueError, TypeError, KeyError):
+            whole = False
+        if not whole:  # what the run goes on from
             parser.error(f"--resume {args.resume}: {RESULTS_FILE} is not a doctor's JSON")
+        mismatch = [k for k in ("device", "device_name", "torch") if data.get(k) != environment.figures.get(k)]
         if mismatch:
             parser.error(f"--resume {args.resume}: made with another {', '.join(mismatch)} "
                          f"({', '.join(str(data.get(k)) for k in mismatch)}); start a new --out")
