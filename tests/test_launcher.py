@@ -4,6 +4,7 @@ the processes jobs leave behind."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from wwrun import JobSpec, JobState, LaunchConfig, launch
+from wwrun.display import QuietDisplay
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ENDING = str(SCRIPTS / "ending.py")
@@ -764,3 +766,18 @@ def test_a_job_in_a_missing_folder_fails_and_only_a_folder_per_job_is_made(tmp_p
     assert not typo.exists()
     assert own.state == JobState.SUCCEEDED and own.cwd == str(tmp_path / "runs" / "own")
     assert (tmp_path / "runs" / "own").is_dir()
+
+
+def test_an_output_file_a_job_took_is_said_and_the_run_still_ends_with_its_summary(tmp_path):
+    """--trace and --memory-plot are written after the jobs: a path one of them made a
+    folder of is a note, not an exception that loses the run's result and summary."""
+    trace, plot = tmp_path / "trace.json", tmp_path / "memory.png"
+    script = tmp_path / "takes.py"
+    script.write_text(f"import os\nos.mkdir({str(trace)!r})\nos.mkdir({str(plot)!r})\n")
+    err = io.StringIO()
+    result = launch(LaunchConfig(jobs=[JobSpec(name="takes", script=str(script))], log_dir=str(tmp_path / "logs"), quiet=True,
+                                 policy="waterwave", trace=str(trace), memory_plot=str(plot)),
+                    display=QuietDisplay(err))
+    assert result.exit_code == 0 and result.jobs[0].state == JobState.SUCCEEDED
+    said = err.getvalue()
+    assert "no trace:" in said and "no memory plot:" in said and "1 job(s) in" in said, said

@@ -213,8 +213,13 @@ class Runner:
                 if getattr(self.config, option):
                     self.display.note(f"--{option.replace('_', '-')} needs the waterwave policy; nothing written")
             return
+        # Checked writable before the run (preflight); a job may still have taken the path:
+        # said, never raised, as the jobs' results are in and the summary is still to come.
         if self.config.trace:
-            engine.write_trace(self.config.trace)
+            try:
+                engine.write_trace(self.config.trace)
+            except OSError as err:
+                self.display.note(f"no trace: {err}")
         if self.config.memory_plot:
             try:
                 # Labelled with the report's peaks (the allocator's), not the samples' highest.
@@ -223,7 +228,7 @@ class Runner:
                     peaks={job.name: job.extra.get("peak_memory_bytes") for job in result.jobs},
                     peak_total=result.extra.get("peak_memory_bytes"),
                 )
-            except (ImportError, RuntimeError) as err:
+            except (ImportError, RuntimeError, OSError) as err:
                 self.display.note(f"no memory plot: {err}")
 
     def _schedule(self, pump: Pump) -> None:
