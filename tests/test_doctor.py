@@ -169,10 +169,20 @@ def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsy
 
 
 def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
-    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": []}))
+    (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": [], "durations": {},
+                                                      "commands": []}))
     with pytest.raises(SystemExit) as exit:
         doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
     assert exit.value.code == 2 and "made with another torch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["[1]", "{}", '{"steps": [], "durations": {}}', '{"steps": [1], "durations": {}, "commands": []}'])
+def test_resume_refuses_a_json_it_cannot_go_on_from(tmp_path, capsys, text):
+    (tmp_path / "doctor.json").write_text(text)
+    with pytest.raises(SystemExit) as exit:
+        doctor.main(["--resume", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "is not a doctor's JSON" in err and len(err.strip().splitlines()) == 1, err
 
 
 _KILLED_DRIVER = """
@@ -182,10 +192,21 @@ def step(name, code):
     return doctor.Step(name, name, lambda d, t, o: [sys.executable, "-c", code.format(out=str(o))], allocator=None)
 doctor.STEPS = [
     step("writes", "import json, pathlib; pathlib.Path({out!r}, 'artefact.txt').write_text('x'); print(json.dumps({{'n': 1}}))"),
-    step("hangs", "import threading; threading.Event().wait()"),
+    step("hangs", "import os, pathlib, threading; pathlib.Path({out!r}, 'hangs.pid').write_text(str(os.getpid())); "
+                  "threading.Event().wait()"),
 ]
 sys.exit(doctor.main(["--full", "--out", sys.argv[1], "--device", "cpu"]))
 """
+
+
+def _kill_step(pid_file: Path) -> None:
+    deadline = time.monotonic() + 30  # the step's start, if the doctor got that far
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
@@ -203,8 +224,9 @@ def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
         else:
             pytest.fail("the first step never reached doctor.json within 120 s")
     finally:
-        os.killpg(child.pid, signal.SIGKILL)  # the doctor and the hanging step
+        os.killpg(child.pid, signal.SIGKILL)  # the doctor
         child.communicate()
+        _kill_step(out / "hangs.pid")  # in a session of its own: a SIGKILLed doctor cannot end it
     data = json.loads(path.read_text())
     assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("writes", "pass")]
     assert data["remaining"] == ["hangs"] and (out / "artefact.txt").read_text() == "x"
@@ -245,3 +267,29 @@ def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
     assert check.verdict == doctor.PASS and check.figures["install"] == "not installed"
     assert "pip install --no-index --no-build-isolation --no-deps -e ." in check.advice
     assert check.advice in doctor.line(check, 12)
+
+
+def test_an_interrupted_doctor_ends_the_step_it_was_running(tmp_path):
+    """A step runs in its own session (so that a hang is ended whole); a Ctrl-C of the
+    doctor must end it too, not leave it running on the device beside the next command."""
+    pid_file = tmp_path / "pid"
+    step = _step("sleeps", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+
+    def interrupt_once_started():
+        deadline = time.monotonic() + 30  # the child's start
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    import threading
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        doctor.run_step(step, "cpu", 60, tmp_path)
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    os.killpg(pid, signal.SIGKILL)
+    pytest.fail("the step's process outlived the interrupted doctor")

@@ -4,6 +4,7 @@ the processes jobs leave behind."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from wwrun import JobSpec, JobState, LaunchConfig, launch
+from wwrun.display import QuietDisplay
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ENDING = str(SCRIPTS / "ending.py")
@@ -93,6 +95,33 @@ def test_a_missing_script_fails_like_python_does(tmp_path):
     gone, fine = result.jobs
     assert (gone.state, gone.exit_code, fine.exit_code) == (JobState.FAILED, 2, 0)
     assert "can't open file" in (Path(gone.log_dir) / "stderr.log").read_text()
+
+
+def test_a_job_in_a_missing_folder_fails_and_only_a_folder_per_job_is_made(tmp_path):
+    """A cwd with `{job}` is a folder per job, made when it starts; any other cwd that
+    does not exist is a mistake the job reports, not a folder wwrun makes."""
+    typo = tmp_path / "no-such-folder"
+    result = run(tmp_path, ending("typo", cwd=str(typo)), ending("own", cwd=str(tmp_path / "runs" / "{job}")))
+    typo_job, own = result.jobs
+    assert typo_job.state == JobState.FAILED and "no-such-folder" in typo_job.error, typo_job
+    assert not typo.exists()
+    assert own.state == JobState.SUCCEEDED and own.cwd == str(tmp_path / "runs" / "own")
+    assert (tmp_path / "runs" / "own").is_dir()
+
+
+def test_an_output_file_a_job_took_is_said_and_the_run_still_ends_with_its_summary(tmp_path):
+    """--trace and --memory-plot are written after the jobs: a path one of them made a
+    folder of is a note, not an exception that loses the run's result and summary."""
+    trace, plot = tmp_path / "trace.json", tmp_path / "memory.png"
+    script = tmp_path / "takes.py"
+    script.write_text(f"import os\nos.mkdir({str(trace)!r})\nos.mkdir({str(plot)!r})\n")
+    err = io.StringIO()
+    result = launch(LaunchConfig(jobs=[JobSpec(name="takes", script=str(script))], log_dir=str(tmp_path / "logs"), quiet=True,
+                                 policy="waterwave", trace=str(trace), memory_plot=str(plot)),
+                    display=QuietDisplay(err))
+    assert result.exit_code == 0 and result.jobs[0].state == JobState.SUCCEEDED
+    said = err.getvalue()
+    assert "no trace:" in said and "no memory plot:" in said and "1 job(s) in" in said, said
 
 
 def test_events_reader_going_away_does_not_stop_the_jobs(tmp_path):

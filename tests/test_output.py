@@ -120,3 +120,25 @@ def test_job_lines_lose_control_sequences_and_a_redrawn_bar_is_the_last_line(tmp
     # The logs keep the bytes as written, as `2> file` would.
     assert (tmp_path / "j" / "stdout.log").read_bytes() == b"tick\x1b[A\x1b[2K \x1b[31mred\x1b[0m\x07\n"
     assert (tmp_path / "j" / "stderr.log").read_bytes() == b"\rbar 10%\rbar 20%\r       \r"
+
+
+def test_a_line_written_a_piece_at_a_time_shows_its_start_then_is_kept_whole(tmp_path):
+    """A line still being written (progress dots) is shown by its start, which is all
+    the table has room for, and not decoded whole again at each write; once ended it
+    is kept whole."""
+    from wwrun.output import _SHOWN_BYTES
+
+    pump = Pump(lambda job, stream, line: None)
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+    for _ in range(3):
+        output.stdout.write("\t" + "." * _SHOWN_BYTES)  # a tab: not printable, so filtered
+        output.stdout.flush()
+    deadline = time.monotonic() + 10  # the pump thread reads it
+    while len(output.last_line) < _SHOWN_BYTES - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert output.last_line == "\t" + "." * (_SHOWN_BYTES - 1)
+    output.stdout.write("\n")
+    output.close_writers()
+    pump.close()
+    assert list(output.tail) == [("\t" + "." * _SHOWN_BYTES) * 3]

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -487,6 +488,10 @@ def run_step(step: Step, device: str, limit_s: float, out: Path) -> Check:
             return Check(step.name, FAIL, f"{_HUNG} {limit_s:.0f} s",
                          f"rerun it alone: wwrun doctor --full --only {step.name}",
                          seconds=round(time.monotonic() - start, 2))
+        except BaseException:  # Ctrl-C, SIGTERM: the step in its own session ends with the doctor
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
         seconds = round(time.monotonic() - start, 2)
     done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     is_pytest = command[1:3] == ["-m", "pytest"]  # its tests check their allocator themselves
@@ -635,6 +640,10 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="wwrun doctor", description=__doc__.splitlines()[0],
                      epilog=f"Offline (no package index): {OFFLINE_INSTALL}, or `python -m wwrun doctor` "
@@ -687,9 +696,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume is not None:
         try:
             data = json.loads(path.read_text())
-            mismatch = [k for k in ("device", "device_name", "torch") if data.get(k) != environment.figures.get(k)]
-        except (ValueError, AttributeError):
+            whole = (all(isinstance(s["name"], str) for s in data["steps"])
+                     and isinstance(data["durations"], dict) and isinstance(data["commands"], list))
+        except (ValueError, TypeError, KeyError):
+            whole = False
+        if not whole:  # what the run goes on from
             parser.error(f"--resume {args.resume}: {RESULTS_FILE} is not a doctor's JSON")
+        mismatch = [k for k in ("device", "device_name", "torch") if data.get(k) != environment.figures.get(k)]
         if mismatch:
             parser.error(f"--resume {args.resume}: made with another {', '.join(mismatch)} "
                          f"({', '.join(str(data.get(k)) for k in mismatch)}); start a new --out")
@@ -718,14 +731,21 @@ def main(argv: list[str] | None = None) -> int:
               f"left for later: {', '.join(s.name for s in later)}", flush=True)
     save([])
     checks = [environment] if args.resume is None else []
-    for check in full(device, steps, budget_s=budget, out=out):
-        if check.seconds:  # also a step the budget stopped: it takes at least that long
-            data["durations"][check.name] = check.seconds
-        if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
-            checks.append(check)
-            data["steps"].append(dataclasses.asdict(check))
-        save(checks)  # after every step: a run killed later keeps this one
-        print(line(check, width), flush=True)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # A command limit's SIGTERM (`timeout`) ends the running step too (run_step), as Ctrl-C does.
+    before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        for check in full(device, steps, budget_s=budget, out=out):
+            if check.seconds:  # also a step the budget stopped: it takes at least that long
+                data["durations"][check.name] = check.seconds
+            if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
+                checks.append(check)
+                data["steps"].append(dataclasses.asdict(check))
+            save(checks)  # after every step: a run killed later keeps this one
+            print(line(check, width), flush=True)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
     print(counts(checks))
     if data["remaining"]:
         print(f"remaining: {', '.join(data['remaining'])}; go on with: "

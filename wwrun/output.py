@@ -36,6 +36,8 @@ LineSink = Callable[[str, str, str], None]
 
 _CHUNK = 1 << 16
 TAIL_LINES = 10
+_SHOWN_BYTES = 1024
+"""Of a line still being written, what becomes the table's last line (wider than any row)."""
 
 # Terminal control sequences: CSI (cursor moves, colours: ESC [ ... final byte), OSC
 # (titles, links: ESC ] ... BEL or ESC \\), other ESC pairs, and the C0/C1 control
@@ -126,7 +128,9 @@ class JobOutput:
             self._line(stream, raw, on_line)
         # A bar being redrawn is the line a terminal shows now: the table shows it too,
         # before its next '\r' ends it (a bar that clears itself leaves the last line).
-        current = printable(self._partial[stream].decode("utf-8", "replace"))
+        # Its start only, as the table shows it: a line growing a byte at a time
+        # (progress dots) is not decoded and filtered whole again at every write.
+        current = printable(self._partial[stream][:_SHOWN_BYTES].decode("utf-8", "replace"))
         if current.strip():
             self.last_line = current
 

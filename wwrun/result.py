@@ -4,7 +4,7 @@
 the whole run; the launcher (one engine, `wwrun.runner`) and the scale-out driver
 (`wwrun.scale.driver`) both fill them, and write them the same way: `report.json`
 (`write_run_report`), `<job>/error.json` (`write_error_json`), one JSON line per
-state change (`EventLog`, `--events`) and `<log_dir>/latest` (`point_latest`).
+state change (`EventLog`, `--events`) and the run's folder (`start_run_folder`).
 """
 
 from __future__ import annotations
@@ -206,10 +206,22 @@ def write_error_json(job, code: int, error: str | None) -> None:
         pass
 
 
-def point_latest(log_root: Path, run_dir: Path) -> None:
+def start_run_folder(config, run_dir: Path, note: Callable[..., None]) -> None:
+    """The run's log folder (`<log_dir>/<run_id>`), made only once jobs start (a refused
+    run leaves none): its recipe.yaml, `<log_dir>/latest` pointing at it, and a note
+    saying where."""
+    from wwrun.recipe import dump_recipe
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(config))
+    _point_latest(run_dir)
+    note(f"run {config.run_id}: logs in {run_dir}", important=False)
+
+
+def _point_latest(run_dir: Path) -> None:
     """<log_dir>/latest -> the run's folder, replaced atomically."""
-    link = log_root / "latest"
-    staged = log_root / f".latest-{os.getpid()}"
+    link = run_dir.parent / "latest"
+    staged = run_dir.parent / f".latest-{os.getpid()}"
     try:
         staged.unlink(missing_ok=True)
         staged.symlink_to(run_dir.name)

@@ -41,12 +41,12 @@ import time
 from pathlib import Path
 
 from wwrun import host, isolation, jobthread
-from wwrun.config import ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
+from wwrun.config import JOB_PLACEHOLDER, ConfigError, JobSpec, LaunchConfig, refuse_job_memory_limits
 from wwrun.display import write_collision
 from wwrun.output import JobOutput, Pump
 from wwrun.result import (
     EXIT_INTERRUPTED, EXIT_TIMEOUT, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder,
-    point_latest, retry_note, run_exit_code, seconds, write_error_json, write_run_report,
+    retry_note, run_exit_code, seconds, start_run_folder, write_error_json, write_run_report,
 )
 
 
@@ -71,6 +71,9 @@ class Job:
     """One running copy of a JobSpec (its attempts, when it is retried)."""
 
     def __init__(self, spec: JobSpec, index: int, run_dir: Path, launcher_cwd: str, retries: int):
+        self.own_cwd = JOB_PLACEHOLDER in (spec.cwd or "")
+        """Its cwd is a folder per job (`runs/{job}`): made when it starts. Any other
+        cwd must exist (the job fails entering it, as a typo should)."""
         self.spec = spec = spec.placed()  # `{job}` in its args and cwd: its name
         self.index = index
         self.folder = run_dir / spec.name
@@ -121,8 +124,7 @@ class Runner:
         self._cpu_threads = cpu_threads
         self.policy = config.resolved_policy
         self.device = resolve_device(config.device)
-        self.log_root = Path(config.log_dir).absolute()
-        self.run_dir = self.log_root / config.run_id
+        self.run_dir = Path(config.log_dir).absolute() / config.run_id
         self._launcher_cwd = os.getcwd()
         self.writes = isolation.WriteWatch(on_collision=self._on_write_collision)
         """Which job wrote which file: two writing one path are named."""
@@ -168,13 +170,7 @@ class Runner:
             self.memory.close()  # torch's own CPU allocator serves again, whatever happened
 
     def _run(self) -> RunResult:
-        from wwrun.recipe import dump_recipe
-
-        # The log folder is made only now that jobs start: a refused run leaves none.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(dump_recipe(self.config))
-        point_latest(self.log_root, self.run_dir)
-        self.display.note(f"run {self.config.run_id}: logs in {self.run_dir}", important=False)
+        start_run_folder(self.config, self.run_dir, self.display.note)
         self._children_before = host.child_pids()
         end_subreaper = host.become_subreaper()
         self._crash_log = host.CrashLog(self.run_dir)
@@ -217,8 +213,13 @@ class Runner:
                 if getattr(self.config, option):
                     self.display.note(f"--{option.replace('_', '-')} needs the waterwave policy; nothing written")
             return
+        # Checked writable before the run (preflight); a job may still have taken the path:
+        # said, never raised, as the jobs' results are in and the summary is still to come.
         if self.config.trace:
-            engine.write_trace(self.config.trace)
+            try:
+                engine.write_trace(self.config.trace)
+            except OSError as err:
+                self.display.note(f"no trace: {err}")
         if self.config.memory_plot:
             try:
                 # Labelled with the report's peaks (the allocator's), not the samples' highest.
@@ -227,7 +228,7 @@ class Runner:
                     peaks={job.name: job.extra.get("peak_memory_bytes") for job in result.jobs},
                     peak_total=result.extra.get("peak_memory_bytes"),
                 )
-            except (ImportError, RuntimeError) as err:
+            except (ImportError, RuntimeError, OSError) as err:
                 self.display.note(f"no memory plot: {err}")
 
     def _schedule(self, pump: Pump) -> None:
@@ -348,7 +349,7 @@ class Runner:
         job.output = JobOutput(spec.name, folder)
         pump.add(job.output)
         script_dir = os.path.dirname(spec.script) if spec.script else job.result.cwd
-        if spec.cwd and not os.path.isdir(spec.cwd):  # a folder per job (`runs/{job}`)
+        if job.own_cwd and not os.path.isdir(spec.cwd):
             try:
                 os.makedirs(spec.cwd, exist_ok=True)
             except OSError:

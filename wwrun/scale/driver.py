@@ -30,8 +30,8 @@ from pathlib import Path
 from wwrun.config import JobSpec, LaunchConfig
 from wwrun.host import cpu_share_note, handle_interrupts
 from wwrun.result import (
-    EXIT_INTERRUPTED, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder, point_latest,
-    retry_note, run_exit_code, seconds, write_error_json, write_run_report,
+    EXIT_INTERRUPTED, REPORT_EVERY_S, EventLog, JobResult, JobState, RunResult, attempt_folder,
+    retry_note, run_exit_code, seconds, start_run_folder, write_error_json, write_run_report,
 )
 from wwrun.scale.engines import START_TIMEOUT_S, death_exit_code
 from wwrun.scale.placement import EngineView, Estimates, choose
@@ -86,8 +86,7 @@ class Driver:
         self.display = display
         self.policy = config.resolved_policy
         self.device = fleet.plan.device
-        self.log_root = Path(config.log_dir).absolute()
-        self.run_dir = self.log_root / config.run_id
+        self.run_dir = Path(config.log_dir).absolute() / config.run_id
         cwd = os.getcwd()
         # Engines may run elsewhere (Ray): every path they get is absolute.
         self.jobs = [
@@ -109,12 +108,7 @@ class Driver:
     # -- the run ------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        from wwrun.recipe import dump_recipe
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(dump_recipe(self.config))
-        point_latest(self.log_root, self.run_dir)
-        self.display.note(f"run {self.config.run_id}: logs in {self.run_dir}", important=False)
+        start_run_folder(self.config, self.run_dir, self.display.note)
         restore_signals = self._install_signal_handlers()
         self.display.start(self)
         try:
