@@ -487,3 +487,13 @@ def test_an_open_noted_under_a_librarys_lock_takes_no_other_lock(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0 and "tempdir /" in done.stdout, done.stderr
+
+
+def test_patched_builtins_do_not_bind_as_methods(tmp_path):
+    # `class C: opener = open` works under python (C functions do not bind); the
+    # Python functions wwrun puts in their place must not bind either.
+    result = run(tmp_path, job("files", "builtins_as_attributes.py", tmp_path / "out.txt"))
+    assert result.exit_code == 0, log(result, "files", "stderr")
+    out = log(result, "files")
+    assert "read one" in out
+    assert "open close" in out

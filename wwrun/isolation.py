@@ -732,6 +732,23 @@ def _signal_getsignal(signalnum):
     return _originals["signal.getsignal"](signalnum)
 
 
+class _Builtin:
+    """A patched built-in that, like the C function it stands for, does not bind as a
+    method: `class C: opener = open` then `C().opener(path)` works as under `python`
+    (a plain Python function there would receive the instance as `file`)."""
+
+    def __init__(self, function):
+        self.__wrapped__ = function
+        self.__name__ = self.__qualname__ = function.__name__.lstrip("_").removeprefix("os_")
+        self.__doc__ = function.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<built-in function {self.__name__}>"
+
+
 def _os_exit(code):
     # Forked children (DataLoader workers) end with os._exit: only the launcher
     # process itself turns it into the end of one job.
@@ -1165,12 +1182,12 @@ def _patch_functions() -> None:
     atexit.unregister = _atexit_unregister
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
-    os._exit = _os_exit
-    os.close = _os_close
+    os._exit = _Builtin(_os_exit)
+    os.close = _Builtin(_os_close)
     global _cache_folders
     _cache_folders = _find_cache_folders()
-    builtins.open = io.open = _open
-    os.open = _os_open
+    builtins.open = io.open = _Builtin(_open)
+    os.open = _Builtin(_os_open)
     importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner

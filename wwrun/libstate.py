@@ -110,7 +110,8 @@ class _PerJobBars:
         self._shared = shared
         self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Reentrant: a collection inside may close an abandoned bar, which removes it.
-        self._lock = threading.RLock()
+        # Fork-safe: a DataLoader worker forked while another job's bar held it draws bars too.
+        self._lock = forksafe.RLock()
 
     def _target(self):
         job = isolation.current_job()
