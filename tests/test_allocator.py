@@ -797,6 +797,20 @@ def test_pages_reach_another_job_s_stream_only_after_their_event():
     assert alloc.read(got.ptr, got.size) == bytes(got.size)
 
 
+def test_pages_freed_on_the_only_stream_so_far_are_cut_once_their_event_is_recorded():
+    """On a single stream frees share an event recorded only when needed (Note
+    [Lazy events]): recording it makes the freed range ready, and its pages go
+    to the request that needed them (they once stayed out of reach, and the job
+    failed with the pages free)."""
+    alloc = HostAllocator(256 * MiB, reserved_limit=24 * MiB)
+    alloc.register_stream(A, "A")
+    big = alloc.alloc(16 * MiB, A)  # 8 pages
+    alloc.alloc(3 * MiB, A)  # 2 pages: 4 fresh ones stay under the limit
+    alloc.free(big)
+    got = alloc.alloc_traced(20 * MiB, A)  # 10 pages: 2 fresh, 8 from the freed range
+    assert got.rule == "e" and got.size == 20 * MiB
+
+
 def test_pages_are_zeroed_across_jobs_and_not_within_one():
     alloc = two_jobs(reserved_limit=22 * MiB)
     alloc.alloc(MiB, B)  # B's small range: 1 page

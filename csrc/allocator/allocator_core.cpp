@@ -82,6 +82,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
   std::string why_not_wait;  // set when rule f finds a deadlock
+  bool waited_for_reserving = false;
   Block* block = nullptr;
   for (;;) {
     block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
@@ -112,6 +113,13 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       ++stats_.num_alloc_retries;
     }
     if (harvest_pages(lock, needed > room ? needed - room : 1, job) > 0) continue;
+    // Pages another thread is making a range of are neither free nor in a
+    // range yet: its range's empty pages may be ours once it is in (bounded).
+    if (reserving_bytes_ > 0 && !waited_for_reserving) {
+      waited_for_reserving = true;
+      freed_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return reserving_bytes_ == 0; });
+      continue;
+    }
     block = borrow_free_block(size, stream, out);
     if (block != nullptr) break;
     // f. wait, bounded, for the frees of jobs that are about to release memory.
@@ -254,25 +262,12 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
   const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
   reserving_bytes_ += fresh * kPageBytes;
   lock.unlock();
-  bool complete = true;
   std::size_t zeroed_reused = 0, zeroed_fresh = 0;
+  std::vector<PageHandle> made;
+  bool complete = false;
   try {
-    while (pages.size() < count) {
-      PageHandle handle;
-      if (!backend_.page_create(&handle)) {
-        complete = false;
-        break;
-      }
-      pages.push_back({handle, fresh_owner});
-    }
-    if (!complete) {
-      for (std::size_t i = reused; i < pages.size(); ++i) backend_.page_release(pages[i].handle);
-      pages.resize(reused);
-    }
+    complete = fresh == 0 || backend_.pages_create(fresh, &made);
   } catch (...) {
-    for (std::size_t i = reused; i < pages.size(); ++i) backend_.page_release(pages[i].handle);
-    pages.resize(reused);
-    complete = false;
     lock.lock();
     reserving_bytes_ -= fresh * kPageBytes;
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
@@ -281,11 +276,13 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
   }
   lock.lock();
   reserving_bytes_ -= fresh * kPageBytes;
+  if (reserving_bytes_ == 0 && fresh > 0) freed_cv_.notify_all();  // see allocate, before f
   if (!complete) {
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
     va_give(base, bytes);
     return nullptr;
   }
+  for (PageHandle handle : made) pages.push_back({handle, fresh_owner});
   update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(fresh * kPageBytes));
   JobId owner = kClean;
   std::vector<PageHandle> handles;
@@ -358,7 +355,9 @@ std::size_t MemoryFlowAllocator::whole_pages(const Block* block) {
 std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, JobId job) {
   std::size_t gained = 0;
   for (int pass = 0; pass < 2 && gained < wanted; ++pass) {
-    if (pass == 1 && !wait_for_pending_pages(lock, std::nullopt)) break;
+    // Recording lazily held events may alone make blocks ready: look again
+    // whether or not there was anything to wait for.
+    if (pass == 1) wait_for_pending_pages(lock, std::nullopt);
     process_events_locked();
     std::vector<Block*> candidates;
     for (Pool& kind : pools_) {
@@ -1083,12 +1082,12 @@ std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock,
   for (auto it = kept; it != free_pages_.end(); ++it) released.push_back(it->handle);
   free_pages_.erase(kept, free_pages_.end());
   if (released.empty()) return 0;
+  // Released under the lock: until the device has them back they still count
+  // as held, or a request meanwhile would find neither them nor room for fresh
+  // ones. Unmapped and idle, a page goes back at once (Note [Locking]).
+  for (PageHandle page : released) backend_.page_release(page);
   const std::size_t bytes = released.size() * kPageBytes;
   update_stat(stats_.reserved_bytes, -static_cast<std::int64_t>(bytes));
-  // Released with the lock released (Note [Locking]); no longer counted as held.
-  lock.unlock();
-  for (PageHandle page : released) backend_.page_release(page);
-  lock.lock();
   return bytes;
 }
 
@@ -1356,3 +1355,4 @@ void* MemoryFlowAllocator::segment_base(void* ptr, std::size_t* size) const {
 }
 
 }  // namespace wwrun::alloc
+

@@ -9,14 +9,15 @@
 // reserves (Note [Pages] in waterwave_allocator.h): a page can be unmapped from
 // one range and mapped into another, keeping its contents.
 //
-// Blocking contract: the core calls page_create, page_release, va_reserve and
-// event_synchronize with its lock released (they may block the host for
-// milliseconds); every other call must be non-blocking and may be made under the
-// lock.
+// Blocking contract: the core calls pages_create and event_synchronize with its
+// lock released (they may block the host for milliseconds); every other call
+// must not wait for the device and may be made under the lock (page_release,
+// page_map/unmap and va_reserve only on pages and ranges no work uses).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace wwrun::alloc {
 
@@ -37,10 +38,12 @@ class Backend {
  public:
   virtual ~Backend() = default;
 
-  // A page of physical memory in *page, or false when the device has no more.
-  virtual bool page_create(PageHandle* page) = 0;
+  // `count` pages of physical memory appended to *pages, all or none: false
+  // (nothing appended) when the device has not that many (threads making
+  // pages at once must not each get some and all fail).
+  virtual bool pages_create(std::size_t count, std::vector<PageHandle>* pages) = 0;
   virtual void page_release(PageHandle page) = 0;
-  // True when a page page_create gives holds zeros (the host's, from the kernel).
+  // True when a page pages_create gives holds zeros (the host's, from the kernel).
   virtual bool fresh_pages_zeroed() const = 0;
   // A virtual range of `bytes` (a multiple of kPageBytes) aligned to
   // kPageBytes, with nothing mapped; nullptr when none can be had.

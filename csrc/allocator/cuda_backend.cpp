@@ -107,7 +107,7 @@ CUdeviceptr as_address(void* ptr) { return reinterpret_cast<CUdeviceptr>(ptr); }
 
 }  // namespace
 
-bool CudaBackend::page_create(PageHandle* page) {
+bool CudaBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
   DeviceScope scope(device_);
   const Driver& d = driver();
   const CUmemAllocationProp prop = page_properties(device_);
@@ -121,11 +121,24 @@ bool CudaBackend::page_create(PageHandle* page) {
                                std::to_string(granularity) + " bytes) does not divide a page");
     }
   });
-  CUmemGenericAllocationHandle handle = 0;
-  const CUresult status = d.mem_create(&handle, kPageBytes, &prop, 0);
-  if (status == CUDA_ERROR_OUT_OF_MEMORY) return false;
-  check_driver(status, "cuMemCreate");
-  *page = static_cast<PageHandle>(handle);
+  const std::size_t before = pages->size();
+  const auto undo = [&] {
+    for (std::size_t i = before; i < pages->size(); ++i) {
+      d.mem_release(static_cast<CUmemGenericAllocationHandle>((*pages)[i]));
+    }
+    pages->resize(before);
+  };
+  for (std::size_t i = 0; i < count; ++i) {
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult status = d.mem_create(&handle, kPageBytes, &prop, 0);
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+      undo();
+      return false;
+    }
+    if (status != CUDA_SUCCESS) undo();
+    check_driver(status, "cuMemCreate");
+    pages->push_back(static_cast<PageHandle>(handle));
+  }
   return true;
 }
 

@@ -23,7 +23,7 @@ class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {}
 
-  bool page_create(PageHandle* page) override;
+  bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
   void page_release(PageHandle page) override;
   // Not promised by the driver: a page may hold what this process last put there.
   bool fresh_pages_zeroed() const override { return false; }

@@ -33,16 +33,18 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
 
 HostBackend::~HostBackend() { ::close(fd_); }
 
-bool HostBackend::page_create(PageHandle* page) {
+bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (used_ + kPageBytes > capacity_) return false;
-  if (!free_pages_.empty()) {
-    *page = free_pages_.back();
-    free_pages_.pop_back();
-  } else {
-    *page = next_page_++;
+  if (used_ + count * kPageBytes > capacity_) return false;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (!free_pages_.empty()) {
+      pages->push_back(free_pages_.back());
+      free_pages_.pop_back();
+    } else {
+      pages->push_back(next_page_++);
+    }
   }
-  used_ += kPageBytes;
+  used_ += count * kPageBytes;
   return true;
 }
 

@@ -39,7 +39,7 @@ class HostBackend : public Backend {
   explicit HostBackend(std::size_t capacity_bytes);
   ~HostBackend() override;
 
-  bool page_create(PageHandle* page) override;
+  bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
   void page_release(PageHandle page) override;
   bool fresh_pages_zeroed() const override { return true; }
   void* va_reserve(std::size_t bytes) override;

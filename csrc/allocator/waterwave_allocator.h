@@ -53,7 +53,7 @@
 // ---------------------------------------------------------------------------
 // Glossary
 // ---------------------------------------------------------------------------
-//   Page      kPageBytes of physical memory (Backend::page_create); mapped in a
+//   Page      kPageBytes of physical memory (Backend::pages_create); mapped in a
 //             range, or free in the budget (free_pages_), unmapped, remembering
 //             whose data it holds.
 //   Segment   a range: pages mapped at consecutive addresses of reserved virtual
@@ -149,10 +149,10 @@
 // are not provably one job's.
 //
 // Note [Locking]: one mutex per allocator. It is never held across a call that
-// can block (page_create/release, event_synchronize, memset of host memory), nor
-// while waiting for other jobs' frees (rule f waits on a condition variable).
-// Mapping and unmapping a page, and reserving virtual memory, are quick calls
-// made under it.
+// can block (pages_create, event_synchronize, memset of host memory), nor while
+// waiting for other jobs' frees (rule f waits on a condition variable).
+// Mapping, unmapping and releasing idle pages, and reserving virtual memory,
+// are quick calls made under it, so that no page is ever in no one's count.
 #pragma once
 
 #include <chrono>
