@@ -90,7 +90,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
     // d. a new range, the usual size first, then the tightest one.
     const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
+    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job);
     for (std::size_t bytes_of_range : {usual, tight}) {
+      if (block != nullptr) break;
       block = new_range(lock, bytes_of_range, pool_index(size), stream, job);
       if (block != nullptr || tight == usual) break;
     }
@@ -232,92 +234,116 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
 // Pages (Note [Pages])
 // ---------------------------------------------------------------------------
 
-// Rule d: a range of `bytes` for a request of `job` on `stream`, from the
-// budget's free pages first (the job's own and clean ones before others'),
-// then fresh pages within the limit; nullptr, with nothing changed, when they
-// do not suffice. Pages holding another job's data are zeroed on `stream`, and
-// the range's block is pending behind that zeroing.
-Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
-                                      StreamId stream, JobId job) {
-  const std::size_t count = bytes / kPageBytes;
+// Whether a page (or block) holding `owner`'s data is zeroed for `job`: unless
+// clean or provably the job's (Note [Side streams]: the default job's data may
+// be any unregistered stream's).
+static bool needs_zeroing(JobId owner, JobId job) {
+  return owner != kClean && (owner != job || job == kDefaultJob);
+}
+
+// `count` pages for `job`: the budget's free pages first (the job's own and
+// clean ones before others'), then fresh ones within the limit, made with the
+// lock released (Note [Locking]). False, with nothing changed, when they do not
+// suffice.
+bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
+                                     std::vector<FreePage>& pages) {
   const std::size_t reused = std::min(count, free_pages_.size());
   const std::size_t fresh = count - reused;
-  if (fresh > 0 && !within_reserved_limit(fresh * kPageBytes)) return nullptr;
-  // Zeroing is needed unless the page is clean or provably the job's (Note
-  // [Side streams]: the default job's data may be any unregistered stream's).
-  const auto needs_zeroing = [job](JobId owner) {
-    return owner != kClean && (owner != job || job == kDefaultJob);
-  };
+  if (fresh > 0 && !within_reserved_limit(fresh * kPageBytes)) return false;
   std::stable_partition(free_pages_.begin(), free_pages_.end(),
-                        [&](const FreePage& page) { return needs_zeroing(page.owner); });
-  std::vector<FreePage> pages(free_pages_.end() - static_cast<std::ptrdiff_t>(reused),
-                              free_pages_.end());
+                        [&](const FreePage& page) { return needs_zeroing(page.owner, job); });
+  pages.assign(free_pages_.end() - static_cast<std::ptrdiff_t>(reused), free_pages_.end());
   free_pages_.resize(free_pages_.size() - reused);
-  char* base = va_take(bytes);
-  if (base == nullptr) {
-    free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
-    return nullptr;
-  }
-  // Fresh pages are made with the lock released (Note [Locking]).
-  const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
-  reserving_bytes_ += fresh * kPageBytes;
-  lock.unlock();
-  std::size_t zeroed_reused = 0, zeroed_fresh = 0;
+  if (fresh == 0) return true;
   std::vector<PageHandle> made;
   bool complete = false;
+  reserving_bytes_ += fresh * kPageBytes;
+  lock.unlock();
   try {
-    complete = fresh == 0 || backend_.pages_create(fresh, &made);
+    complete = backend_.pages_create(fresh, &made);
   } catch (...) {
     lock.lock();
     reserving_bytes_ -= fresh * kPageBytes;
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
-    va_give(base, bytes);
     throw;
   }
   lock.lock();
   reserving_bytes_ -= fresh * kPageBytes;
-  if (reserving_bytes_ == 0 && fresh > 0) freed_cv_.notify_all();  // see allocate, before f
+  if (reserving_bytes_ == 0) freed_cv_.notify_all();  // see allocate, before f
   if (!complete) {
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
-    va_give(base, bytes);
-    return nullptr;
+    pages.clear();
+    return false;
   }
+  const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
   for (PageHandle handle : made) pages.push_back({handle, fresh_owner});
   update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(fresh * kPageBytes));
-  JobId owner = kClean;
-  std::vector<PageHandle> handles;
-  handles.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    backend_.page_map(base + i * kPageBytes, pages[i].handle);
-    handles.push_back(pages[i].handle);
-    if (!needs_zeroing(pages[i].owner)) {
+  return true;
+}
+
+// Maps `pages` at consecutive addresses from `at`, for `job`: `owner` becomes
+// whose data the mapped memory holds, and `zero_runs` the runs of pages to zero
+// (on `stream`, with the lock released) because they held another job's data or
+// are fresh pages the device does not zero.
+void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages,
+                                    StreamId stream, JobId job, JobId& owner,
+                                    std::vector<std::pair<char*, std::size_t>>& zero_runs) {
+  (void)stream;
+  const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    char* page = at + i * kPageBytes;
+    backend_.page_map(page, pages[i].handle);
+    if (!needs_zeroing(pages[i].owner, job)) {
       owner = combine_owners(owner, pages[i].owner);
+      continue;
+    }
+    // Fresh pages a device hands out unzeroed are kMixed: counted apart.
+    if (pages[i].owner == fresh_owner) {
+      stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
     } else {
-      (i < reused ? zeroed_reused : zeroed_fresh) += kPageBytes;
+      stats_.scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+      jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+    }
+    if (!zero_runs.empty() && zero_runs.back().first + zero_runs.back().second == page) {
+      zero_runs.back().second += kPageBytes;
+    } else {
+      zero_runs.emplace_back(page, kPageBytes);
     }
   }
-  // Zeroed in runs of consecutive pages, after the lock is released: the range
-  // is in no pool yet, so no other thread can reach it.
+}
+
+// Rule d: a range of `bytes` for a request of `job` on `stream` (take_pages);
+// nullptr, with nothing changed, when the pages do not suffice. A large range
+// gets virtual room to grow into (grow_range). Pages holding another job's data
+// are zeroed on `stream`, and the range's block is pending behind that zeroing.
+Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
+                                      StreamId stream, JobId job) {
+  const std::size_t room = kind == kLargePool ? bytes + kGrowBytes : bytes;
+  char* base = va_take(room);
+  if (base == nullptr) return nullptr;
+  std::vector<FreePage> pages;
+  try {
+    if (!take_pages(lock, bytes / kPageBytes, job, pages)) {
+      va_give(base, room);
+      return nullptr;
+    }
+  } catch (...) {
+    va_give(base, room);
+    throw;
+  }
+  JobId owner = kClean;
   std::vector<std::pair<char*, std::size_t>> runs;
-  for (std::size_t i = 0; i < count; ++i) {
-    if (!needs_zeroing(pages[i].owner)) continue;
-    char* at = base + i * kPageBytes;
-    if (!runs.empty() && runs.back().first + runs.back().second == at) {
-      runs.back().second += kPageBytes;
-    } else {
-      runs.emplace_back(at, kPageBytes);
-    }
-  }
+  map_pages(base, pages, stream, job, owner, runs);
+  // Zeroed after the lock is released: the range is in no pool yet, so no
+  // other thread can reach it.
   if (!runs.empty()) {
     lock.unlock();
     for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
     lock.lock();
   }
-  stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(zeroed_fresh);
-  stats_.scrubbed_bytes += static_cast<std::int64_t>(zeroed_reused);
-  jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(zeroed_reused);
-
-  auto* segment = new Segment{base, bytes, nullptr, kind, stream, std::move(handles)};
+  std::vector<PageHandle> handles;
+  for (const FreePage& page : pages) handles.push_back(page.handle);
+  auto* segment = new Segment{base, bytes, nullptr, kind, stream, std::move(handles), base + room};
   auto* block = new Block;
   block->ptr = segment->base;
   block->size = bytes;
@@ -338,6 +364,76 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
   fifo_push_after(pool, pool.fifo_tail, block);
   count_pending(static_cast<std::int64_t>(bytes));
   return block;
+}
+
+// Rule d, first for a large request: a large range whose last block is free
+// and safe for `stream` at once (ready, or last used on it) grows in place by
+// the pages the request lacks, mapped in its virtual room; the grown block is
+// returned in its pool. nullptr when no range can grow or the pages do not
+// suffice. While pages are made the block is held apart (marked allocated, in
+// no pool), so that nothing takes, merges or cuts it.
+Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
+  Block* tail = nullptr;
+  std::size_t count = 0;
+  for (auto& [base, segment] : segments_) {
+    if (segment->pool != kLargePool) continue;
+    Block* last = segment->head;
+    while (last->next != nullptr) last = last->next;
+    if (!is_idle_free(last) || (last->event != nullptr && last->stream != stream)) continue;
+    if (last->size >= size) continue;  // a-c would have found it
+    const std::size_t lacking = (size - last->size + kPageBytes - 1) / kPageBytes;
+    char* end = segment->base + segment->size;
+    if (end + lacking * kPageBytes > segment->va_end) continue;
+    if (tail == nullptr || last->size > tail->size) {
+      tail = last;
+      count = lacking;
+    }
+  }
+  if (tail == nullptr) return nullptr;
+  unlink_free(tail);
+  tail->allocated = true;  // held apart while the lock is released
+  std::vector<FreePage> pages;
+  bool got = false;
+  try {
+    got = take_pages(lock, count, job, pages);
+  } catch (...) {
+    tail->allocated = false;
+    if (tail->event != nullptr) {
+      StreamPool& pool = pool_of(tail).pending[tail->stream];
+      pool.by_size.insert(tail);
+      fifo_push_after(pool, pool.fifo_tail, tail);
+    } else {
+      pool_of(tail).ready.insert(tail);
+    }
+    throw;
+  }
+  // The range may have been split meanwhile (cut_pages): the tail's is its own.
+  Segment* segment = tail->segment;
+  std::vector<std::pair<char*, std::size_t>> runs;
+  if (got) {
+    char* end = segment->base + segment->size;
+    map_pages(end, pages, stream, job, tail->owner, runs);
+    for (const FreePage& page : pages) segment->pages.push_back(page.handle);
+    segment->size += count * kPageBytes;
+    if (tail->event != nullptr) count_pending(static_cast<std::int64_t>(count * kPageBytes));
+    tail->size += count * kPageBytes;
+    if (!runs.empty()) {
+      lock.unlock();
+      for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
+      lock.lock();
+    }
+  }
+  tail->allocated = false;
+  // Back in its pool, as it was or grown; pending pages zeroed on `stream` are
+  // covered: only `stream` takes it at once (it is ready, or pending on it).
+  if (tail->event != nullptr) {
+    StreamPool& pool = pool_of(tail).pending[tail->stream];
+    pool.by_size.insert(tail);
+    fifo_push_after(pool, pool.fifo_tail, tail);
+  } else {
+    pool_of(tail).ready.insert(tail);
+  }
+  return got ? tail : nullptr;
 }
 
 // The whole pages inside a block of a range.
@@ -450,7 +546,9 @@ std::size_t MemoryFlowAllocator::cut_pages(Block* block) {
                               segment->pool, segment->stream,
                               std::vector<PageHandle>(segment->pages.begin() +
                                                           static_cast<std::ptrdiff_t>(first + count),
-                                                      segment->pages.end())};
+                                                      segment->pages.end()),
+                              segment->va_end};
+    segment->va_end = cut_end;  // the cut pages' addresses: room for what precedes them
     for (Block* b = head; b != nullptr; b = b->next) b->segment = right;
     segments_.emplace(right->base, right);
     update_stat(stats_.segments, 1);
@@ -468,11 +566,11 @@ std::size_t MemoryFlowAllocator::cut_pages(Block* block) {
     delete block;
   }
   if (segment->size == 0) {
+    va_give(segment->base, static_cast<std::size_t>(segment->va_end - segment->base));
     segments_.erase(segment->base);
     update_stat(stats_.segments, -1);
     delete segment;
   }
-  va_give(cut_start, count * kPageBytes);
   return count;
 }
 

@@ -233,6 +233,7 @@ struct Segment {
   PoolIndex pool = kLargePool;  // the requests it serves (size_classes.h)
   StreamId stream = 0;  // the stream it was created for (memory snapshots)
   std::vector<PageHandle> pages;  // pages[i] is mapped at base + i * kPageBytes
+  char* va_end = nullptr;  // its virtual memory, mapped or not, ends here: room to grow
   bool small() const { return pool != kLargePool; }  // serves requests <= kSmallRequestBytes
 };
 
@@ -453,6 +454,10 @@ class MemoryFlowAllocator {
   Block* borrow_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
   Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
+  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
+  bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
+  void map_pages(char* at, const std::vector<FreePage>& pages, StreamId stream, JobId job,
+                 JobId& owner, std::vector<std::pair<char*, std::size_t>>& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   std::size_t cut_pages(Block* block);
@@ -527,6 +532,8 @@ class MemoryFlowAllocator {
   // Virtual memory: reservations of at least kArenaBytes, and their unused
   // parts by address (coalesced within a reservation, never across two).
   static constexpr std::size_t kArenaBytes = std::size_t{1} << 30;
+  // A large range's virtual room beyond its pages, to grow into (rule d).
+  static constexpr std::size_t kGrowBytes = std::size_t{1} << 30;
   std::vector<std::pair<char*, std::size_t>> arenas_;
   std::set<char*> arena_starts_;
   std::map<char*, std::size_t> free_va_;
