@@ -24,8 +24,10 @@
 //   c. a free block from another stream whose event is still pending: S is made
 //      to wait for that event on the device (cudaStreamWaitEvent; the host never
 //      blocks); among several, the oldest event first;
-//   d. a new range (the size class's usual size, else the tightest), its pages
-//      taken from the budget's free pages first, then fresh from the device;
+//   d. for a large request, a range whose last block is free (and safe for S
+//      at once) grows in place by the pages it lacks; else a new range (the
+//      size class's usual size, else the tightest). Pages come from the
+//      budget's free pages first, then fresh from the device;
 //   e. the whole empty pages of free blocks in any job's ranges go back to the
 //      budget, those whose events completed first, then, waiting on the host
 //      for their own events, pending ones; then d is tried again. Last, a free
@@ -79,7 +81,10 @@
 //     reservations the core makes in kArenaBytes): free pages of the budget
 //     first, wherever they came from, then fresh ones within the limit. A range
 //     is thus stitched from scattered pages, and a request fails only when the
-//     budget lacks pages, never because free memory is scattered.
+//     budget lacks pages, never because free memory is scattered. A large range
+//     keeps kGrowBytes of virtual room behind it: when its last block is free,
+//     it grows there (grow_range), so a request a little larger than that block
+//     takes it whole and adds only the pages it lacks.
 //   - rule e cuts the whole pages out of free blocks (cut_pages): the range is
 //     split around them, they are unmapped, and join the budget's free pages
 //     with their owner. Only once their last use completed: a ready block's at
