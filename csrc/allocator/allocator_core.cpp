@@ -197,16 +197,20 @@ Block* MemoryFlowAllocator::take_free_block(Pool& pool, std::size_t size, Stream
   return block;
 }
 
-// Note [Borrowing]. Each size class keeps to its own segments, so that long-lived
-// small blocks do not split the holes large requests need. But when no segment
-// can be had (the limit is reached, and rule e freed none), a small request that
-// fails while a larger class's segment has a free block for it would fail a job
-// for the sake of tidiness: it takes that block (split; the rest stays in its
-// class), before any wait (rule f). Never the other way: a larger request cannot
-// use a smaller class's segments.
+// Note [Borrowing]. Each size class keeps to its own ranges, so that long-lived
+// small blocks do not split the holes large requests need. But when no range
+// can be had (the limit is reached, and rule e found no whole page), a request
+// that fails while another class's range has a free block for it would fail a
+// job for the sake of tidiness: it takes that block (split; the rest stays in
+// its class), before any wait (rule f). Larger classes first; then smaller ones,
+// whose 2 MiB ranges, partly held by long-lived tiny blocks, may hold the rest
+// of the free memory in pieces too small for a page but not for the request.
 Block* MemoryFlowAllocator::borrow_free_block(std::size_t size, StreamId stream,
                                               Allocation& out) {
-  for (int kind = pool_index(size) + 1; kind < kPoolCount; ++kind) {
+  const int own = pool_index(size);
+  for (int step = 1; step < kPoolCount; ++step) {
+    const int kind = own + step < kPoolCount ? own + step : kPoolCount - 1 - step;
+    if (kind < 0 || kind == own) continue;
     Block* block = take_free_block(pools_[kind], size, stream, out);
     if (block != nullptr) {
       ++stats_.num_borrows;

@@ -31,7 +31,7 @@
 //   e. the whole empty pages of free blocks in any job's ranges go back to the
 //      budget, those whose events completed first, then, waiting on the host
 //      for their own events, pending ones; then d is tried again. Last, a free
-//      block in the ranges of a larger size class, taken as in a-c (Note
+//      block in the ranges of another size class, taken as in a-c (Note
 //      [Borrowing]);
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
