@@ -322,8 +322,9 @@ void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages
 // are zeroed on `stream`, and the range's block is pending behind that zeroing.
 Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
                                       StreamId stream, JobId job) {
-  const std::size_t room = kind == kLargePool ? bytes + kGrowBytes : bytes;
+  std::size_t room = kind == kLargePool ? bytes + std::min(bytes, kGrowBytes) : bytes;
   char* base = va_take(room);
+  if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
   if (base == nullptr) return nullptr;
   std::vector<FreePage> pages;
   try {
@@ -598,11 +599,11 @@ char* MemoryFlowAllocator::va_take(std::size_t bytes) {
     if (it->second >= bytes && (best == free_va_.end() || it->second < best->second)) best = it;
   }
   if (best == free_va_.end()) {
-    const std::size_t span = std::max(bytes, kArenaBytes);
+    const std::size_t span = std::max(bytes, backend_.va_arena_bytes());
     auto* base = static_cast<char*>(backend_.va_reserve(span));
+    if (base == nullptr && trim_growth_room()) base = static_cast<char*>(backend_.va_reserve(span));
     if (base == nullptr) return nullptr;
-    arenas_.emplace_back(base, span);
-    arena_starts_.insert(base);
+    arenas_.emplace(base, span);
     best = free_va_.emplace(base, span).first;
   }
   char* base = best->first;
@@ -612,21 +613,51 @@ char* MemoryFlowAllocator::va_take(std::size_t bytes) {
   return base;
 }
 
+// The virtual room large ranges keep to grow into, given back where it ends
+// their reservation (the host's: a reservation per range): room is a luxury,
+// address space for a range is not. True if any was given back.
+bool MemoryFlowAllocator::trim_growth_room() {
+  bool trimmed = false;
+  if (backend_.va_arena_bytes() != 0) return false;  // shared reservations: not in parts
+  for (auto& [start, segment] : segments_) {
+    char* end = segment->base + segment->size;
+    if (segment->va_end <= end) continue;
+    auto arena = arenas_.upper_bound(end);
+    if (arena == arenas_.begin()) continue;
+    --arena;
+    if (arena->first + arena->second != segment->va_end) continue;
+    backend_.va_release(end, static_cast<std::size_t>(segment->va_end - end));
+    arena->second = static_cast<std::size_t>(end - arena->first);
+    segment->va_end = end;
+    trimmed = true;
+  }
+  return trimmed;
+}
+
 void MemoryFlowAllocator::va_give(char* base, std::size_t bytes) {
   // Coalesced with its neighbours within one reservation (a CUDA mapping may
   // not span two).
   auto next = free_va_.find(base + bytes);
-  if (next != free_va_.end() && arena_starts_.count(next->first) == 0) {
+  if (next != free_va_.end() && arenas_.count(next->first) == 0) {
     bytes += next->second;
     free_va_.erase(next);
   }
   auto after = free_va_.lower_bound(base);
-  if (after != free_va_.begin() && arena_starts_.count(base) == 0) {
+  if (after != free_va_.begin() && arenas_.count(base) == 0) {
     auto prev = std::prev(after);
     if (prev->first + prev->second == base) {
-      prev->second += bytes;
-      return;
+      base = prev->first;
+      bytes += prev->second;
+      free_va_.erase(prev);
     }
+  }
+  // A reservation no range uses goes back: on the host, address space counts
+  // against the process's limits (threads need some).
+  auto arena = arenas_.find(base);
+  if (arena != arenas_.end() && arena->second == bytes) {
+    backend_.va_release(base, bytes);
+    arenas_.erase(arena);
+    return;
   }
   free_va_.emplace(base, bytes);
 }

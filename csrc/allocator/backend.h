@@ -49,6 +49,8 @@ class Backend {
   // kPageBytes, with nothing mapped; nullptr when none can be had.
   virtual void* va_reserve(std::size_t bytes) = 0;
   virtual void va_release(void* base, std::size_t bytes) = 0;
+  // The least the core reserves at once (it carves ranges out of a reservation).
+  virtual std::size_t va_arena_bytes() const = 0;
   // Maps `page` at `address` (page-aligned, reserved, unmapped), readable and
   // writable; unmaps every page in [address, address + bytes). The core unmaps
   // a page only once the work queued on it has completed.

@@ -29,6 +29,8 @@ class CudaBackend : public Backend {
   bool fresh_pages_zeroed() const override { return false; }
   void* va_reserve(std::size_t bytes) override;
   void va_release(void* base, std::size_t bytes) override;
+  // Reservations are driver calls of their own: made in large pieces.
+  std::size_t va_arena_bytes() const override { return std::size_t{1} << 30; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
   EventHandle event_create() override;

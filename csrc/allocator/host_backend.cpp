@@ -61,10 +61,19 @@ void HostBackend::page_release(PageHandle page) {
 }
 
 void* HostBackend::va_reserve(std::size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (va_reserved_ + bytes > capacity_ + capacity_ / 8) return nullptr;
+    va_reserved_ += bytes;
+  }
   // Over-reserved by a page, then trimmed to a page-aligned range.
   const std::size_t span = bytes + kPageBytes;
   void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (raw == MAP_FAILED) return nullptr;
+  if (raw == MAP_FAILED) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    va_reserved_ -= bytes;
+    return nullptr;
+  }
   const auto start = reinterpret_cast<std::uintptr_t>(raw);
   const std::uintptr_t base = (start + kPageBytes - 1) / kPageBytes * kPageBytes;
   if (base > start) ::munmap(raw, base - start);
@@ -73,7 +82,11 @@ void* HostBackend::va_reserve(std::size_t bytes) {
   return reinterpret_cast<void*>(base);
 }
 
-void HostBackend::va_release(void* base, std::size_t bytes) { ::munmap(base, bytes); }
+void HostBackend::va_release(void* base, std::size_t bytes) {
+  ::munmap(base, bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  va_reserved_ -= bytes;
+}
 
 void HostBackend::page_map(void* address, PageHandle page) {
   void* got = ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,

@@ -44,6 +44,9 @@ class HostBackend : public Backend {
   bool fresh_pages_zeroed() const override { return true; }
   void* va_reserve(std::size_t bytes) override;
   void va_release(void* base, std::size_t bytes) override;
+  // Exactly what a range needs, and at most `capacity` and an eighth more in all:
+  // address space counts against RLIMIT_AS, which threads' stacks need too.
+  std::size_t va_arena_bytes() const override { return 0; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
   EventHandle event_create() override;
@@ -82,6 +85,7 @@ class HostBackend : public Backend {
   std::uint64_t next_page_ = 0;         // pages [0, next_page_) have been handed out once
   std::vector<PageHandle> free_pages_;  // released, punched
   bool forked_ = false;
+  std::size_t va_reserved_ = 0;
   std::unordered_map<StreamId, SimStream> streams_;
   std::vector<WaitRecord> waits_;
 };

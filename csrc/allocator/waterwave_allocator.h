@@ -78,11 +78,11 @@
 // changes: blocks cached in one job's ranges must reach the next job whatever
 // their size. So the budget is pages, and ranges are made of them:
 //   - rule d maps a range's pages at a virtual range of its own (va_take, from
-//     reservations the core makes in kArenaBytes): free pages of the budget
+//     reservations the core makes): free pages of the budget
 //     first, wherever they came from, then fresh ones within the limit. A range
 //     is thus stitched from scattered pages, and a request fails only when the
 //     budget lacks pages, never because free memory is scattered. A large range
-//     keeps kGrowBytes of virtual room behind it: when its last block is free,
+//     keeps virtual room behind it: when its last block is free,
 //     it grows there (grow_range), so a request a little larger than that block
 //     takes it whole and adds only the pages it lacks.
 //   - rule e cuts the whole pages out of free blocks (cut_pages): the range is
@@ -470,6 +470,7 @@ class MemoryFlowAllocator {
   std::size_t free_whole_pages_locked() const;
   char* va_take(std::size_t bytes);
   void va_give(char* base, std::size_t bytes);
+  bool trim_growth_room();
   Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
   Pool& pool_for(std::size_t size) { return pools_[pool_index(size)]; }
   bool over_limit(JobId job, std::size_t size) const;
@@ -534,13 +535,13 @@ class MemoryFlowAllocator {
   std::uint64_t event_serial_ = 0;
   std::size_t reserving_bytes_ = 0;  // fresh pages being created with the lock released
   std::vector<FreePage> free_pages_;  // the budget's unmapped pages (Note [Pages])
-  // Virtual memory: reservations of at least kArenaBytes, and their unused
-  // parts by address (coalesced within a reservation, never across two).
-  static constexpr std::size_t kArenaBytes = std::size_t{1} << 30;
-  // A large range's virtual room beyond its pages, to grow into (rule d).
+  // Virtual memory: reservations (at least Backend::va_arena_bytes each) by
+  // base, and their unused parts by address (coalesced within a reservation,
+  // never across two). A reservation wholly unused goes back to the backend.
+  // A large range's virtual room beyond its pages, to grow into (rule d): as
+  // much again as its pages, at most kGrowBytes.
   static constexpr std::size_t kGrowBytes = std::size_t{1} << 30;
-  std::vector<std::pair<char*, std::size_t>> arenas_;
-  std::set<char*> arena_starts_;
+  std::map<char*, std::size_t> arenas_;
   std::map<char*, std::size_t> free_va_;
 
   std::vector<JobStats> jobs_;
