@@ -286,13 +286,12 @@ bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
 }
 
 // Maps `pages` at consecutive addresses from `at`, for `job`: `owner` becomes
-// whose data the mapped memory holds, and `zero_runs` the runs of pages to zero
-// (on `stream`, with the lock released) because they held another job's data or
-// are fresh pages the device does not zero.
-void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages,
-                                    StreamId stream, JobId job, JobId& owner,
+// whose data the mapped memory holds, and `zero_runs` the runs of pages the
+// caller zeroes (on its stream, with the lock released) because they held
+// another job's data or are fresh pages the device does not zero.
+void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages, JobId job,
+                                    JobId& owner,
                                     std::vector<std::pair<char*, std::size_t>>& zero_runs) {
-  (void)stream;
   const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     char* page = at + i * kPageBytes;
@@ -338,7 +337,7 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
   }
   JobId owner = kClean;
   std::vector<std::pair<char*, std::size_t>> runs;
-  map_pages(base, pages, stream, job, owner, runs);
+  map_pages(base, pages, job, owner, runs);
   // Zeroed after the lock is released: the range is in no pool yet, so no
   // other thread can reach it.
   if (!runs.empty()) {
@@ -417,7 +416,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
   std::vector<std::pair<char*, std::size_t>> runs;
   if (got) {
     char* end = segment->base + segment->size;
-    map_pages(end, pages, stream, job, tail->owner, runs);
+    map_pages(end, pages, job, tail->owner, runs);
     for (const FreePage& page : pages) segment->pages.push_back(page.handle);
     segment->size += count * kPageBytes;
     if (tail->event != nullptr) count_pending(static_cast<std::int64_t>(count * kPageBytes));

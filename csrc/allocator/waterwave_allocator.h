@@ -134,7 +134,7 @@
 // clean block may absorb a ready neighbour holding another job's data; the merged
 // block is then that job's again (Note [Owners]): conservative, never leaking.
 // In-scrub blocks are in no pool and no neighbour absorbs them, so they are
-// never handed out, coalesced or released (rule e skips their segments). Should
+// never handed out, coalesced or released (rule e cuts no page out of them). Should
 // the launch fail, finish_scrub(zeroed=false) returns them still dirty, and
 // hand-out zeroing covers them as before. Blocks the job frees after its end
 // (module globals dropped later), or that were mixed with another job's data,
@@ -301,7 +301,7 @@ struct DeviceStats {
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
   std::int64_t num_release_deadlocks = 0;  // jobs failed because all they waited for waited too
-  std::int64_t num_borrows = 0;  // requests served from a larger size class's segment (Note [Borrowing])
+  std::int64_t num_borrows = 0;  // requests served from another size class's range (Note [Borrowing])
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
@@ -461,8 +461,8 @@ class MemoryFlowAllocator {
   Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
   Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
-  void map_pages(char* at, const std::vector<FreePage>& pages, StreamId stream, JobId job,
-                 JobId& owner, std::vector<std::pair<char*, std::size_t>>& zero_runs);
+  void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
+                 std::vector<std::pair<char*, std::size_t>>& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   std::size_t cut_pages(Block* block);
