@@ -47,9 +47,12 @@ MemoryFlowAllocator::~MemoryFlowAllocator() {
       delete block;
       block = next;
     }
-    backend_.segment_free(segment->base, segment->size);
+    backend_.page_unmap(segment->base, segment->size);
+    for (PageHandle page : segment->pages) backend_.page_release(page);
     delete segment;
   }
+  for (const FreePage& page : free_pages_) backend_.page_release(page.handle);
+  for (auto& [base, bytes] : arenas_) backend_.va_release(base, bytes);
   for (EventRef* event : event_pool_) {
     backend_.event_destroy(event->handle);
     delete event;
@@ -79,33 +82,45 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
   std::string why_not_wait;  // set when rule f finds a deadlock
+  bool waited_for_reserving = false;
   Block* block = nullptr;
   for (;;) {
     block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
 
-    // d. a new segment, the usual size first, then the tightest one.
+    // d. a new range, the usual size first, then the tightest one.
     const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
-    for (std::size_t bytes_of_segment : {usual, tight}) {
-      if (within_reserved_limit(bytes_of_segment)) {
-        void* base = obtain_segment(lock, bytes_of_segment, stream);
-        if (base != nullptr) {
-          block = add_segment(base, bytes_of_segment, pool_index(size), stream);
-          break;
-        }
-      }
-      if (tight == usual) break;
+    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job);
+    for (std::size_t bytes_of_range : {usual, tight}) {
+      if (block != nullptr) break;
+      block = new_range(lock, bytes_of_range, pool_index(size), stream, job);
+      if (block != nullptr || tight == usual) break;
     }
     if (block != nullptr) {
       out.rule = kRuleD;
       break;
     }
 
-    // e. release wholly free segments, then retry from a.
+    // e. empty pages anywhere back to the budget, then d again (Note [Pages]).
+    // Each pass that gains pages loops; one that gains none goes on to f.
+    const std::size_t needed = tight / kPageBytes;
+    std::size_t room = free_pages_.size();
+    if (options_.reserved_limit != 0) {
+      const std::size_t held = static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                               reserving_bytes_;
+      if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / kPageBytes;
+    }
     if (stage < kRuleE) {
       stage = kRuleE;
       ++stats_.num_alloc_retries;
-      if (release_free_segments_locked(lock) > 0) continue;
+    }
+    if (harvest_pages(lock, needed > room ? needed - room : 1, job) > 0) continue;
+    // Pages another thread is making a range of are neither free nor in a
+    // range yet: its range's empty pages may be ours once it is in (bounded).
+    if (reserving_bytes_ > 0 && !waited_for_reserving) {
+      waited_for_reserving = true;
+      freed_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return reserving_bytes_ == 0; });
+      continue;
     }
     block = borrow_free_block(size, stream, out);
     if (block != nullptr) break;
@@ -119,13 +134,20 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     }
     if (wait_for_releases(lock, job, deadline, why_not_wait)) continue;
 
-    // g.
+    // g. Said as it is now: whole free pages (none can be cut out of a free
+    // block here, or e would have), and the limit if that is what stops d.
     if (why_not_wait.empty()) {
-      why_not_wait = within_reserved_limit(tight)
-                         ? "the device has no free memory left"
-                         : "the device memory limit of " +
-                               format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) +
-                               " is reached";
+      const std::size_t free_pages = free_whole_pages_locked();
+      std::ostringstream why;
+      if (!within_reserved_limit(needed > free_pages ? (needed - free_pages) * kPageBytes : 0)) {
+        why << "the device memory limit of "
+            << format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) << " is reached";
+      } else {
+        why << "the device gave no more pages";
+      }
+      why << " (it needs " << needed << " pages of " << format_bytes(kPageBytes) << "; "
+          << free_pages << " reserved ones are free)";
+      why_not_wait = why.str();
     }
     out_of_memory(job, bytes, size, why_not_wait);
   }
@@ -149,26 +171,6 @@ bool MemoryFlowAllocator::within_reserved_limit(std::size_t segment_bytes) const
          static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_ +
                  segment_bytes <=
              options_.reserved_limit;
-}
-
-// Device memory for a new segment, zeroed on `stream`: fresh memory may hold what
-// another job freed to the driver. Obtained with the lock released, since the
-// call can block (Note [Locking]); nullptr when the device has none.
-void* MemoryFlowAllocator::obtain_segment(Lock& lock, std::size_t bytes, StreamId stream) {
-  reserving_bytes_ += bytes;
-  lock.unlock();
-  void* base = nullptr;
-  try {
-    base = backend_.segment_alloc(bytes);
-    if (base != nullptr) backend_.memset_zero(base, bytes, stream);
-  } catch (...) {
-    lock.lock();
-    reserving_bytes_ -= bytes;
-    throw;
-  }
-  lock.lock();
-  reserving_bytes_ -= bytes;
-  return base;
 }
 
 Block* MemoryFlowAllocator::take_free_block(Pool& pool, std::size_t size, StreamId stream,
@@ -195,16 +197,20 @@ Block* MemoryFlowAllocator::take_free_block(Pool& pool, std::size_t size, Stream
   return block;
 }
 
-// Note [Borrowing]. Each size class keeps to its own segments, so that long-lived
-// small blocks do not split the holes large requests need. But when no segment
-// can be had (the limit is reached, and rule e freed none), a small request that
-// fails while a larger class's segment has a free block for it would fail a job
-// for the sake of tidiness: it takes that block (split; the rest stays in its
-// class), before any wait (rule f). Never the other way: a larger request cannot
-// use a smaller class's segments.
+// Note [Borrowing]. Each size class keeps to its own ranges, so that long-lived
+// small blocks do not split the holes large requests need. But when no range
+// can be had (the limit is reached, and rule e found no whole page), a request
+// that fails while another class's range has a free block for it would fail a
+// job for the sake of tidiness: it takes that block (split; the rest stays in
+// its class), before any wait (rule f). Larger classes first; then smaller ones,
+// whose 2 MiB ranges, partly held by long-lived tiny blocks, may hold the rest
+// of the free memory in pieces too small for a page but not for the request.
 Block* MemoryFlowAllocator::borrow_free_block(std::size_t size, StreamId stream,
                                               Allocation& out) {
-  for (int kind = pool_index(size) + 1; kind < kPoolCount; ++kind) {
+  const int own = pool_index(size);
+  for (int step = 1; step < kPoolCount; ++step) {
+    const int kind = own + step < kPoolCount ? own + step : kPoolCount - 1 - step;
+    if (kind < 0 || kind == own) continue;
     Block* block = take_free_block(pools_[kind], size, stream, out);
     if (block != nullptr) {
       ++stats_.num_borrows;
@@ -228,20 +234,133 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
   return best;
 }
 
-Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, PoolIndex kind,
-                                        StreamId stream) {
-  auto* segment = new Segment{static_cast<char*>(base), bytes, nullptr, kind, stream};
+// ---------------------------------------------------------------------------
+// Pages (Note [Pages])
+// ---------------------------------------------------------------------------
+
+// Whether a page (or block) holding `owner`'s data is zeroed for `job`: unless
+// clean or provably the job's (Note [Side streams]: the default job's data may
+// be any unregistered stream's).
+static bool needs_zeroing(JobId owner, JobId job) {
+  return owner != kClean && (owner != job || job == kDefaultJob);
+}
+
+// `count` pages for `job`: the budget's free pages first (the job's own and
+// clean ones before others'), then fresh ones within the limit, made with the
+// lock released (Note [Locking]). False, with nothing changed, when they do not
+// suffice.
+bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
+                                     std::vector<FreePage>& pages) {
+  const std::size_t reused = std::min(count, free_pages_.size());
+  const std::size_t fresh = count - reused;
+  if (fresh > 0 && !within_reserved_limit(fresh * kPageBytes)) return false;
+  std::stable_partition(free_pages_.begin(), free_pages_.end(),
+                        [&](const FreePage& page) { return needs_zeroing(page.owner, job); });
+  pages.assign(free_pages_.end() - static_cast<std::ptrdiff_t>(reused), free_pages_.end());
+  free_pages_.resize(free_pages_.size() - reused);
+  if (fresh == 0) return true;
+  std::vector<PageHandle> made;
+  bool complete = false;
+  reserving_bytes_ += fresh * kPageBytes;
+  lock.unlock();
+  try {
+    complete = backend_.pages_create(fresh, &made);
+  } catch (...) {
+    lock.lock();
+    reserving_bytes_ -= fresh * kPageBytes;
+    free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
+    throw;
+  }
+  lock.lock();
+  reserving_bytes_ -= fresh * kPageBytes;
+  if (reserving_bytes_ == 0) freed_cv_.notify_all();  // see allocate, before f
+  if (!complete) {
+    free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
+    pages.clear();
+    return false;
+  }
+  const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
+  for (PageHandle handle : made) pages.push_back({handle, fresh_owner});
+  update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(fresh * kPageBytes));
+  return true;
+}
+
+// Maps `pages` at consecutive addresses from `at`, for `job`: `owner` becomes
+// whose data the mapped memory holds, and `zero_runs` the runs of pages the
+// caller zeroes (on its stream, with the lock released) because they held
+// another job's data or are fresh pages the device does not zero.
+void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages, JobId job,
+                                    JobId& owner,
+                                    std::vector<std::pair<char*, std::size_t>>& zero_runs) {
+  const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    char* page = at + i * kPageBytes;
+    backend_.page_map(page, pages[i].handle);
+    if (!needs_zeroing(pages[i].owner, job)) {
+      owner = combine_owners(owner, pages[i].owner);
+      continue;
+    }
+    // Fresh pages a device hands out unzeroed are kMixed: counted apart.
+    if (pages[i].owner == fresh_owner) {
+      stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+    } else {
+      stats_.scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+      jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+    }
+    if (!zero_runs.empty() && zero_runs.back().first + zero_runs.back().second == page) {
+      zero_runs.back().second += kPageBytes;
+    } else {
+      zero_runs.emplace_back(page, kPageBytes);
+    }
+  }
+}
+
+// Rule d: a range of `bytes` for a request of `job` on `stream` (take_pages);
+// nullptr, with nothing changed, when the pages do not suffice. A large range
+// gets virtual room to grow into (grow_range). Pages holding another job's data
+// are zeroed on `stream`, and the range's block is pending behind that zeroing.
+Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
+                                      StreamId stream, JobId job) {
+  std::size_t room = kind == kLargePool ? bytes + std::min(bytes, kGrowBytes) : bytes;
+  char* base = va_take(room);
+  if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
+  if (base == nullptr) return nullptr;
+  std::vector<FreePage> pages;
+  try {
+    if (!take_pages(lock, bytes / kPageBytes, job, pages)) {
+      va_give(base, room);
+      return nullptr;
+    }
+  } catch (...) {
+    va_give(base, room);
+    throw;
+  }
+  JobId owner = kClean;
+  std::vector<std::pair<char*, std::size_t>> runs;
+  map_pages(base, pages, job, owner, runs);
+  // Zeroed after the lock is released: the range is in no pool yet, so no
+  // other thread can reach it.
+  if (!runs.empty()) {
+    lock.unlock();
+    for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
+    lock.lock();
+  }
+  std::vector<PageHandle> handles;
+  for (const FreePage& page : pages) handles.push_back(page.handle);
+  auto* segment = new Segment{base, bytes, nullptr, kind, stream, std::move(handles), base + room};
   auto* block = new Block;
   block->ptr = segment->base;
   block->size = bytes;
   block->segment = segment;
   block->stream = stream;
-  block->owner = kClean;
+  block->owner = owner;
   segment->head = block;
   segments_.emplace(segment->base, segment);
-  update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(bytes));
   update_stat(stats_.segments, 1);
-  stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(bytes);
+  if (runs.empty()) {
+    pool_of(block).ready.insert(block);
+    return block;
+  }
   // Pending on `stream` behind the zeroing just queued there.
   block->event = new_event(stream);
   StreamPool& pool = pool_of(block).pending[stream];
@@ -249,6 +368,297 @@ Block* MemoryFlowAllocator::add_segment(void* base, std::size_t bytes, PoolIndex
   fifo_push_after(pool, pool.fifo_tail, block);
   count_pending(static_cast<std::int64_t>(bytes));
   return block;
+}
+
+// Rule d, first for a large request: a large range whose last block is free
+// and safe for `stream` at once (ready, or last used on it) grows in place by
+// the pages the request lacks, mapped in its virtual room; the grown block is
+// returned in its pool. nullptr when no range can grow or the pages do not
+// suffice. While pages are made the block is held apart (marked allocated, in
+// no pool), so that nothing takes, merges or cuts it.
+Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
+  Block* tail = nullptr;
+  std::size_t count = 0;
+  for (auto& [base, segment] : segments_) {
+    if (segment->pool != kLargePool) continue;
+    Block* last = segment->head;
+    while (last->next != nullptr) last = last->next;
+    if (!is_idle_free(last) || (last->event != nullptr && last->stream != stream)) continue;
+    if (last->size >= size) continue;  // a-c would have found it
+    const std::size_t lacking = (size - last->size + kPageBytes - 1) / kPageBytes;
+    char* end = segment->base + segment->size;
+    if (end + lacking * kPageBytes > segment->va_end) continue;
+    if (tail == nullptr || last->size > tail->size) {
+      tail = last;
+      count = lacking;
+    }
+  }
+  if (tail == nullptr) return nullptr;
+  unlink_free(tail);
+  tail->allocated = true;  // held apart while the lock is released
+  std::vector<FreePage> pages;
+  bool got = false;
+  try {
+    got = take_pages(lock, count, job, pages);
+  } catch (...) {
+    tail->allocated = false;
+    if (tail->event != nullptr) {
+      StreamPool& pool = pool_of(tail).pending[tail->stream];
+      pool.by_size.insert(tail);
+      fifo_push_after(pool, pool.fifo_tail, tail);
+    } else {
+      pool_of(tail).ready.insert(tail);
+    }
+    throw;
+  }
+  // The range may have been split meanwhile (cut_pages): the tail's is its own.
+  Segment* segment = tail->segment;
+  std::vector<std::pair<char*, std::size_t>> runs;
+  if (got) {
+    char* end = segment->base + segment->size;
+    map_pages(end, pages, job, tail->owner, runs);
+    for (const FreePage& page : pages) segment->pages.push_back(page.handle);
+    segment->size += count * kPageBytes;
+    if (tail->event != nullptr) count_pending(static_cast<std::int64_t>(count * kPageBytes));
+    tail->size += count * kPageBytes;
+    if (!runs.empty()) {
+      lock.unlock();
+      for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
+      lock.lock();
+    }
+  }
+  tail->allocated = false;
+  // Back in its pool, as it was or grown; pending pages zeroed on `stream` are
+  // covered: only `stream` takes it at once (it is ready, or pending on it).
+  if (tail->event != nullptr) {
+    StreamPool& pool = pool_of(tail).pending[tail->stream];
+    pool.by_size.insert(tail);
+    fifo_push_after(pool, pool.fifo_tail, tail);
+  } else {
+    pool_of(tail).ready.insert(tail);
+  }
+  return got ? tail : nullptr;
+}
+
+// The whole pages inside a block of a range.
+std::size_t MemoryFlowAllocator::whole_pages(const Block* block) {
+  const std::size_t start = static_cast<std::size_t>(block->ptr - block->segment->base);
+  const std::size_t first = (start + kPageBytes - 1) / kPageBytes;
+  const std::size_t last = (start + block->size) / kPageBytes;
+  return last > first ? last - first : 0;
+}
+
+// Rule e: at least `wanted` pages back to the budget if free blocks hold them:
+// cut out of ready free blocks (the job's own first, then clean ones, then
+// others', largest first), then, if short, after waiting for the events of
+// pending ones. Returns the pages gained.
+std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, JobId job) {
+  std::size_t gained = 0;
+  for (int pass = 0; pass < 2 && gained < wanted; ++pass) {
+    // Recording lazily held events may alone make blocks ready: look again
+    // whether or not there was anything to wait for.
+    if (pass == 1) wait_for_pending_pages(lock, std::nullopt);
+    process_events_locked();
+    std::vector<Block*> candidates;
+    for (Pool& kind : pools_) {
+      for (Block* block : kind.ready) {
+        if (whole_pages(block) > 0) candidates.push_back(block);
+      }
+    }
+    const auto rank = [job](const Block* block) {
+      return block->owner == job ? 0 : block->owner == kClean ? 1 : 2;
+    };
+    std::stable_sort(candidates.begin(), candidates.end(), [&](const Block* x, const Block* y) {
+      return rank(x) != rank(y) ? rank(x) < rank(y) : x->size > y->size;
+    });
+    for (Block* block : candidates) {
+      if (gained >= wanted) break;
+      gained += cut_pages(block);
+    }
+  }
+  if (gained > 0) {
+    stats_.num_page_moves += static_cast<std::int64_t>(gained);
+    ++free_count_;  // pages came back: rule f's waiters look again
+    if (release_waiters_ > 0) freed_cv_.notify_all();
+  }
+  return gained;
+}
+
+// Waits, with the lock released, for the events of pending free blocks that
+// hold whole pages (with `job`, only that job's): a page is unmapped only once
+// its last use completed. False when there was none to wait for.
+bool MemoryFlowAllocator::wait_for_pending_pages(Lock& lock, std::optional<JobId> job) {
+  record_lazy_events();  // an event must exist before it can be waited on
+  process_events_locked();
+  std::vector<EventRef*> events;
+  for (Pool& kind : pools_) {
+    for (auto& [stream, pool] : kind.pending) {
+      for (Block* block = pool.fifo_head; block != nullptr; block = block->fifo_next) {
+        if (whole_pages(block) == 0 || (job && block->owner != *job)) continue;
+        if (std::find(events.begin(), events.end(), block->event) != events.end()) continue;
+        ++block->event->refs;
+        events.push_back(block->event);
+      }
+    }
+  }
+  if (events.empty()) return false;
+  lock.unlock();
+  for (EventRef* event : events) backend_.event_synchronize(event->handle);
+  lock.lock();
+  for (EventRef* event : events) {
+    event->complete = true;
+    unref(event);
+  }
+  return true;
+}
+
+// Cuts the whole pages out of a ready free block: its range is split around
+// them (the slivers either side stay free blocks), they are unmapped and join
+// the budget's free pages with the block's owner. Returns the pages cut.
+std::size_t MemoryFlowAllocator::cut_pages(Block* block) {
+  const std::size_t count = whole_pages(block);
+  if (count == 0) return 0;
+  Segment* segment = block->segment;
+  const std::size_t first = (static_cast<std::size_t>(block->ptr - segment->base) +
+                             kPageBytes - 1) / kPageBytes;
+  char* const cut_start = segment->base + first * kPageBytes;
+  char* const cut_end = cut_start + count * kPageBytes;
+  char* const block_end = block->ptr + block->size;
+  char* const segment_end = segment->base + segment->size;
+  unlink_free(block);
+  for (std::size_t i = first; i < first + count; ++i) {
+    free_pages_.push_back({segment->pages[i], block->owner});
+  }
+  backend_.page_unmap(cut_start, count * kPageBytes);
+
+  // What follows the cut becomes a range of its own.
+  Block* after = block->next;
+  if (cut_end < segment_end) {
+    Block* head = after;
+    if (cut_end < block_end) {
+      head = new Block;
+      head->ptr = cut_end;
+      head->size = static_cast<std::size_t>(block_end - cut_end);
+      head->stream = block->stream;
+      head->owner = block->owner;
+      head->next = after;
+      if (after != nullptr) after->prev = head;
+    } else if (after != nullptr) {
+      after->prev = nullptr;
+    }
+    auto* right = new Segment{cut_end, static_cast<std::size_t>(segment_end - cut_end), head,
+                              segment->pool, segment->stream,
+                              std::vector<PageHandle>(segment->pages.begin() +
+                                                          static_cast<std::ptrdiff_t>(first + count),
+                                                      segment->pages.end()),
+                              segment->va_end};
+    segment->va_end = cut_end;  // the cut pages' addresses: room for what precedes them
+    for (Block* b = head; b != nullptr; b = b->next) b->segment = right;
+    segments_.emplace(right->base, right);
+    update_stat(stats_.segments, 1);
+    if (head != after) pool_of(head).ready.insert(head);
+  }
+  // What precedes it stays: the block itself as the sliver, if any.
+  segment->pages.resize(first);
+  segment->size = static_cast<std::size_t>(cut_start - segment->base);
+  if (cut_start > block->ptr) {
+    block->size = static_cast<std::size_t>(cut_start - block->ptr);
+    block->next = nullptr;
+    pool_of(block).ready.insert(block);
+  } else {
+    if (block->prev != nullptr) block->prev->next = nullptr;
+    delete block;
+  }
+  if (segment->size == 0) {
+    va_give(segment->base, static_cast<std::size_t>(segment->va_end - segment->base));
+    segments_.erase(segment->base);
+    update_stat(stats_.segments, -1);
+    delete segment;
+  }
+  return count;
+}
+
+// Whole free pages now: the budget's, and those inside idle free blocks.
+std::size_t MemoryFlowAllocator::free_whole_pages_locked() const {
+  std::size_t pages = free_pages_.size();
+  for (const Pool& kind : pools_) {
+    for (const Block* block : kind.ready) pages += whole_pages(block);
+    for (const auto& [stream, pool] : kind.pending) {
+      for (const Block* block : pool.by_size) pages += whole_pages(block);
+    }
+  }
+  return pages;
+}
+
+// Virtual memory for a range: best fit among the unused parts of the
+// reservations, else a new reservation. nullptr when none can be had.
+char* MemoryFlowAllocator::va_take(std::size_t bytes) {
+  auto best = free_va_.end();
+  for (auto it = free_va_.begin(); it != free_va_.end(); ++it) {
+    if (it->second >= bytes && (best == free_va_.end() || it->second < best->second)) best = it;
+  }
+  if (best == free_va_.end()) {
+    const std::size_t span = std::max(bytes, backend_.va_arena_bytes());
+    auto* base = static_cast<char*>(backend_.va_reserve(span));
+    if (base == nullptr && trim_growth_room()) base = static_cast<char*>(backend_.va_reserve(span));
+    if (base == nullptr) return nullptr;
+    arenas_.emplace(base, span);
+    best = free_va_.emplace(base, span).first;
+  }
+  char* base = best->first;
+  const std::size_t rest = best->second - bytes;
+  free_va_.erase(best);
+  if (rest > 0) free_va_.emplace(base + bytes, rest);
+  return base;
+}
+
+// The virtual room large ranges keep to grow into, given back where it ends
+// their reservation (the host's: a reservation per range): room is a luxury,
+// address space for a range is not. True if any was given back.
+bool MemoryFlowAllocator::trim_growth_room() {
+  bool trimmed = false;
+  if (backend_.va_arena_bytes() != 0) return false;  // shared reservations: not in parts
+  for (auto& [start, segment] : segments_) {
+    char* end = segment->base + segment->size;
+    if (segment->va_end <= end) continue;
+    auto arena = arenas_.upper_bound(end);
+    if (arena == arenas_.begin()) continue;
+    --arena;
+    if (arena->first + arena->second != segment->va_end) continue;
+    backend_.va_release(end, static_cast<std::size_t>(segment->va_end - end));
+    arena->second = static_cast<std::size_t>(end - arena->first);
+    segment->va_end = end;
+    trimmed = true;
+  }
+  return trimmed;
+}
+
+void MemoryFlowAllocator::va_give(char* base, std::size_t bytes) {
+  // Coalesced with its neighbours within one reservation (a CUDA mapping may
+  // not span two).
+  auto next = free_va_.find(base + bytes);
+  if (next != free_va_.end() && arenas_.count(next->first) == 0) {
+    bytes += next->second;
+    free_va_.erase(next);
+  }
+  auto after = free_va_.lower_bound(base);
+  if (after != free_va_.begin() && arenas_.count(base) == 0) {
+    auto prev = std::prev(after);
+    if (prev->first + prev->second == base) {
+      base = prev->first;
+      bytes += prev->second;
+      free_va_.erase(prev);
+    }
+  }
+  // A reservation no range uses goes back: on the host, address space counts
+  // against the process's limits (threads need some).
+  auto arena = arenas_.find(base);
+  if (arena != arenas_.end() && arena->second == bytes) {
+    backend_.va_release(base, bytes);
+    arenas_.erase(arena);
+    return;
+  }
+  free_va_.emplace(base, bytes);
 }
 
 Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t requested,
@@ -411,9 +821,13 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
     message << separator << other.name << " " << format_bytes(other.allocated_bytes.current);
     separator = ", ";
   }
-  // Free but not in one piece (fragmentation), or free only behind another stream's work.
+  // Free as whole pages (any range can take them), in pieces smaller than a
+  // page, or only behind another stream's work.
+  const std::size_t free_pages = free_whole_pages_locked();
   message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current)
-          << " reserved but free, the largest piece "
+          << " reserved but free: " << free_pages << " whole pages ("
+          << format_bytes(static_cast<std::int64_t>(free_pages * kPageBytes))
+          << "), the largest free block "
           << format_bytes(static_cast<std::int64_t>(largest_free_block_locked())) << "; "
           << format_bytes(stats_.pending_event_bytes) << " free behind pending events.";
   throw OutOfMemory(message.str());
@@ -783,43 +1197,30 @@ std::size_t MemoryFlowAllocator::release_free_segments(std::optional<JobId> job)
 
 std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock,
                                                               std::optional<JobId> job) {
-  record_lazy_events();  // a victim's event must exist before it can be waited on
+  // A job's own: its data alone, so the wait is on that job's work only.
+  wait_for_pending_pages(lock, job);
   process_events_locked();
   std::vector<Block*> victims;
-  for (auto& [base, segment] : segments_) {
-    Block* block = segment->head;
-    // A job's own: its data alone, last used on its stream, so the wait below
-    // is on that job's work only.
-    if (block->next == nullptr && is_idle_free(block) && (!job || block->owner == *job)) {
-      victims.push_back(block);
+  for (Pool& kind : pools_) {
+    for (Block* block : kind.ready) {
+      if (whole_pages(block) > 0 && (!job || block->owner == *job)) victims.push_back(block);
     }
   }
-  if (victims.empty()) return 0;
-  std::size_t released = 0;
-  for (Block* block : victims) {
-    unlink_free(block);
-    if (block->event != nullptr) count_pending(-static_cast<std::int64_t>(block->size));
-    segments_.erase(block->segment->base);
-    update_stat(stats_.reserved_bytes, -static_cast<std::int64_t>(block->size));
-    update_stat(stats_.segments, -1);
-    released += block->size;
-  }
-  // The victims are unreachable now; wait on their own events and free them
-  // with the lock released (Note [Locking]).
-  lock.unlock();
-  for (Block* block : victims) {
-    if (block->event != nullptr && !block->event->complete) {
-      backend_.event_synchronize(block->event->handle);
-    }
-    backend_.segment_free(block->segment->base, block->segment->size);
-  }
-  lock.lock();
-  for (Block* block : victims) {
-    if (block->event != nullptr) unref(block->event);
-    delete block->segment;
-    delete block;
-  }
-  return released;
+  for (Block* block : victims) cut_pages(block);
+  std::vector<PageHandle> released;
+  auto kept = std::stable_partition(free_pages_.begin(), free_pages_.end(), [&](const FreePage& page) {
+    return job && page.owner != *job;
+  });
+  for (auto it = kept; it != free_pages_.end(); ++it) released.push_back(it->handle);
+  free_pages_.erase(kept, free_pages_.end());
+  if (released.empty()) return 0;
+  // Released under the lock: until the device has them back they still count
+  // as held, or a request meanwhile would find neither them nor room for fresh
+  // ones. Unmapped and idle, a page goes back at once (Note [Locking]).
+  for (PageHandle page : released) backend_.page_release(page);
+  const std::size_t bytes = released.size() * kPageBytes;
+  update_stat(stats_.reserved_bytes, -static_cast<std::int64_t>(bytes));
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------
@@ -957,6 +1358,7 @@ Snapshot MemoryFlowAllocator::snapshot() const {
   snap.device = stats_;
   snap.jobs = jobs_;
   snap.fragmentation_bytes = stats_.reserved_bytes.current - stats_.allocated_bytes.current;
+  snap.free_page_bytes = static_cast<std::int64_t>(free_whole_pages_locked() * kPageBytes);
   lock.unlock();
   snap.largest_free_block = static_cast<std::int64_t>(largest_free_block());
   return snap;
@@ -964,8 +1366,10 @@ Snapshot MemoryFlowAllocator::snapshot() const {
 
 std::size_t MemoryFlowAllocator::largest_block_for(StreamId stream, std::size_t device_free,
                                                    std::size_t device_total) const {
-  const std::size_t largest = std::max(largest_free_block(), device_free);
   Lock lock(mutex_);
+  // A range stitched from the budget's free pages and fresh ones, or a cached block.
+  const std::size_t largest =
+      std::max(largest_free_block_locked(), device_free + free_pages_.size() * kPageBytes);
   const JobStats& job = jobs_[job_of_stream_locked(stream)];
   const auto held_by = [](const Stat& stat) { return static_cast<std::size_t>(stat.current); };
   const std::size_t capacity =
@@ -1083,3 +1487,4 @@ void* MemoryFlowAllocator::segment_base(void* ptr, std::size_t* size) const {
 }
 
 }  // namespace wwrun::alloc
+

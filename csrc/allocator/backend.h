@@ -1,17 +1,23 @@
 // The small device interface the allocator core is written against.
 //
-// Two implementations: cuda_backend.cpp (the real device) and host_backend.cpp
-// (host memory with simulated streams and events, so that every rule of the
-// policy in waterwave_allocator.h runs and is tested on a CPU-only machine).
+// Two implementations: cuda_backend.cpp (the real device, through the driver's
+// virtual memory API) and host_backend.cpp (host memory from one memfd, with
+// simulated streams and events, so that every rule of the policy in
+// waterwave_allocator.h runs and is tested on a CPU-only machine).
 //
-// Blocking contract: the core calls segment_alloc, segment_free and
-// event_synchronize with its lock released (they may block the host for
-// milliseconds); every other call must be non-blocking and may be made under the
-// lock.
+// Memory is physical pages of kPageBytes, mapped into virtual ranges the core
+// reserves (Note [Pages] in waterwave_allocator.h): a page can be unmapped from
+// one range and mapped into another, keeping its contents.
+//
+// Blocking contract: the core calls pages_create and event_synchronize with its
+// lock released (they may block the host for milliseconds); every other call
+// must not wait for the device and may be made under the lock (page_release,
+// page_map/unmap and va_reserve only on pages and ranges no work uses).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace wwrun::alloc {
 
@@ -20,14 +26,36 @@ namespace wwrun::alloc {
 using StreamId = std::uint64_t;
 // An opaque event handle owned by the backend (cudaEvent_t on CUDA).
 using EventHandle = void*;
+// An opaque physical page (a CUmemGenericAllocationHandle on CUDA, a page of
+// the memfd on the host).
+using PageHandle = std::uint64_t;
+
+// The unit in which memory flows between ranges, streams and jobs: the CUDA
+// driver's allocation granularity on current GPUs.
+constexpr std::size_t kPageBytes = 2 << 20;
 
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // Device memory of `bytes` bytes, or nullptr when the device has no more.
-  virtual void* segment_alloc(std::size_t bytes) = 0;
-  virtual void segment_free(void* ptr, std::size_t bytes) = 0;
+  // `count` pages of physical memory appended to *pages, all or none: false
+  // (nothing appended) when the device has not that many (threads making
+  // pages at once must not each get some and all fail).
+  virtual bool pages_create(std::size_t count, std::vector<PageHandle>* pages) = 0;
+  virtual void page_release(PageHandle page) = 0;
+  // True when a page pages_create gives holds zeros (the host's, from the kernel).
+  virtual bool fresh_pages_zeroed() const = 0;
+  // A virtual range of `bytes` (a multiple of kPageBytes) aligned to
+  // kPageBytes, with nothing mapped; nullptr when none can be had.
+  virtual void* va_reserve(std::size_t bytes) = 0;
+  virtual void va_release(void* base, std::size_t bytes) = 0;
+  // The least the core reserves at once (it carves ranges out of a reservation).
+  virtual std::size_t va_arena_bytes() const = 0;
+  // Maps `page` at `address` (page-aligned, reserved, unmapped), readable and
+  // writable; unmaps every page in [address, address + bytes). The core unmaps
+  // a page only once the work queued on it has completed.
+  virtual void page_map(void* address, PageHandle page) = 0;
+  virtual void page_unmap(void* address, std::size_t bytes) = 0;
 
   virtual EventHandle event_create() = 0;
   virtual void event_destroy(EventHandle event) = 0;

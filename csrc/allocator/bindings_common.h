@@ -51,6 +51,8 @@ inline py::dict snapshot_dict(const Snapshot& snap) {
   device["batch_scrubbed_bytes"] = dev.batch_scrubbed_bytes;
   device["scrub_batches"] = dev.scrub_batches;
   device["fresh_scrubbed_bytes"] = dev.fresh_scrubbed_bytes;
+  device["num_page_moves"] = dev.num_page_moves;
+  device["free_page_bytes"] = snap.free_page_bytes;
   device["pending_event_bytes"] = dev.pending_event_bytes;
   device["fragmentation_bytes"] = snap.fragmentation_bytes;
   device["largest_free_block"] = snap.largest_free_block;

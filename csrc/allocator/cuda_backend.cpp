@@ -1,8 +1,10 @@
 // CUDA backend; see cuda_backend.h.
 #include "cuda_backend.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -39,29 +41,149 @@ class DeviceScope {
   bool switched_ = false;
 };
 
-}  // namespace
+// The driver's virtual memory calls, looked up once through the runtime.
+struct Driver {
+  decltype(&cuMemCreate) mem_create = nullptr;
+  decltype(&cuMemRelease) mem_release = nullptr;
+  decltype(&cuMemAddressReserve) address_reserve = nullptr;
+  decltype(&cuMemAddressFree) address_free = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemSetAccess) set_access = nullptr;
+  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuGetErrorString) error_string = nullptr;
+};
 
-void* CudaBackend::segment_alloc(std::size_t bytes) {
-  DeviceScope scope(device_);
-  void* ptr = nullptr;
-  cudaError_t status = cudaMalloc(&ptr, bytes);
-  if (status == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();  // clear the sticky-free error so later calls succeed
-    return nullptr;
+template <typename Fn>
+void look_up(const char* symbol, Fn* fn) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  check(cudaGetDriverEntryPointByVersion(symbol, &address, 12000, cudaEnableDefault, &found),
+        "cudaGetDriverEntryPointByVersion");
+#else
+  check(cudaGetDriverEntryPoint(symbol, &address, cudaEnableDefault, &found),
+        "cudaGetDriverEntryPoint");
+#endif
+  if (found != cudaDriverEntryPointSuccess || address == nullptr) {
+    throw std::runtime_error(std::string("wwrun allocator: the CUDA driver lacks ") + symbol);
   }
-  check(status, "cudaMalloc");
-  return ptr;
+  *fn = reinterpret_cast<Fn>(address);
 }
 
-void CudaBackend::segment_free(void* ptr, std::size_t /*bytes*/) {
+const Driver& driver() {
+  static const Driver loaded = [] {
+    Driver d;
+    look_up("cuMemCreate", &d.mem_create);
+    look_up("cuMemRelease", &d.mem_release);
+    look_up("cuMemAddressReserve", &d.address_reserve);
+    look_up("cuMemAddressFree", &d.address_free);
+    look_up("cuMemMap", &d.map);
+    look_up("cuMemUnmap", &d.unmap);
+    look_up("cuMemSetAccess", &d.set_access);
+    look_up("cuMemGetAllocationGranularity", &d.granularity);
+    look_up("cuGetErrorString", &d.error_string);
+    return d;
+  }();
+  return loaded;
+}
+
+void check_driver(CUresult status, const char* what) {
+  if (status == CUDA_SUCCESS) return;
+  const char* text = nullptr;
+  if (driver().error_string(status, &text) != CUDA_SUCCESS || text == nullptr) text = "unknown error";
+  throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " + text);
+}
+
+CUmemAllocationProp page_properties(int device) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+CUdeviceptr as_address(void* ptr) { return reinterpret_cast<CUdeviceptr>(ptr); }
+
+}  // namespace
+
+bool CudaBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
+  DeviceScope scope(device_);
+  const Driver& d = driver();
+  const CUmemAllocationProp prop = page_properties(device_);
+  static std::once_flag checked;
+  std::call_once(checked, [&] {
+    std::size_t granularity = 0;
+    check_driver(d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                 "cuMemGetAllocationGranularity");
+    if (granularity == 0 || kPageBytes % granularity != 0) {
+      throw std::runtime_error("wwrun allocator: the device's allocation granularity (" +
+                               std::to_string(granularity) + " bytes) does not divide a page");
+    }
+  });
+  const std::size_t before = pages->size();
+  const auto undo = [&] {
+    for (std::size_t i = before; i < pages->size(); ++i) {
+      d.mem_release(static_cast<CUmemGenericAllocationHandle>((*pages)[i]));
+    }
+    pages->resize(before);
+  };
+  for (std::size_t i = 0; i < count; ++i) {
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult status = d.mem_create(&handle, kPageBytes, &prop, 0);
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+      undo();
+      return false;
+    }
+    if (status != CUDA_SUCCESS) undo();
+    check_driver(status, "cuMemCreate");
+    pages->push_back(static_cast<PageHandle>(handle));
+  }
+  return true;
+}
+
+void CudaBackend::page_release(PageHandle page) {
   // At process exit the runtime may unload before the last tensors die: then
   // the memory is going away with the process, not an error.
   int current = 0;
   if (cudaGetDevice(&current) == cudaErrorCudartUnloading) return;
+  check_driver(driver().mem_release(static_cast<CUmemGenericAllocationHandle>(page)),
+               "cuMemRelease");
+}
+
+void* CudaBackend::va_reserve(std::size_t bytes) {
+  CUdeviceptr base = 0;
+  const CUresult status = driver().address_reserve(&base, bytes, kPageBytes, 0, 0);
+  if (status == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
+  check_driver(status, "cuMemAddressReserve");
+  return reinterpret_cast<void*>(base);
+}
+
+void CudaBackend::va_release(void* base, std::size_t bytes) {
+  int current = 0;
+  if (cudaGetDevice(&current) == cudaErrorCudartUnloading) return;
+  check_driver(driver().address_free(as_address(base), bytes), "cuMemAddressFree");
+}
+
+void CudaBackend::page_map(void* address, PageHandle page) {
   DeviceScope scope(device_);
-  const cudaError_t status = cudaFree(ptr);
-  if (status == cudaErrorCudartUnloading) return;
-  check(status, "cudaFree");
+  const Driver& d = driver();
+  check_driver(d.map(as_address(address), kPageBytes, 0,
+                     static_cast<CUmemGenericAllocationHandle>(page), 0),
+               "cuMemMap");
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  check_driver(d.set_access(as_address(address), kPageBytes, &access, 1), "cuMemSetAccess");
+}
+
+void CudaBackend::page_unmap(void* address, std::size_t bytes) {
+  int current = 0;
+  if (cudaGetDevice(&current) == cudaErrorCudartUnloading) return;
+  DeviceScope scope(device_);
+  // The core unmaps only pages whose last use has completed (Note [Pages]).
+  check_driver(driver().unmap(as_address(address), bytes), "cuMemUnmap");
 }
 
 EventHandle CudaBackend::event_create() {

@@ -1,6 +1,9 @@
-// The CUDA backend: segments from cudaMalloc, events without timing, device-side
-// waits with cudaStreamWaitEvent, zeroing with cudaMemsetAsync. Uses only the CUDA
-// runtime API (no torch header), one backend per device.
+// The CUDA backend: pages through the driver's virtual memory API (cuMemCreate,
+// cuMemAddressReserve, cuMemMap, cuMemSetAccess, cuMemUnmap), events without
+// timing, device-side waits with cudaStreamWaitEvent, zeroing with
+// cudaMemsetAsync. The driver's entry points are looked up through the runtime
+// (cudaGetDriverEntryPoint), so nothing links libcuda; no torch header; one
+// backend per device.
 #pragma once
 
 #include <stdexcept>
@@ -20,8 +23,16 @@ class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {}
 
-  void* segment_alloc(std::size_t bytes) override;
-  void segment_free(void* ptr, std::size_t bytes) override;
+  bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
+  void page_release(PageHandle page) override;
+  // Not promised by the driver: a page may hold what this process last put there.
+  bool fresh_pages_zeroed() const override { return false; }
+  void* va_reserve(std::size_t bytes) override;
+  void va_release(void* base, std::size_t bytes) override;
+  // Reservations are driver calls of their own: made in large pieces.
+  std::size_t va_arena_bytes() const override { return std::size_t{1} << 30; }
+  void page_map(void* address, PageHandle page) override;
+  void page_unmap(void* address, std::size_t bytes) override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;
   void event_record(EventHandle event, StreamId stream) override;

@@ -1,31 +1,104 @@
 // Host memory backend; see host_backend.h for the simulation.
 #include "host_backend.h"
 
-#include <cstdlib>
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "size_classes.h"
 
 namespace wwrun::alloc {
 
-void* HostBackend::segment_alloc(std::size_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (used_ + bytes > capacity_) return nullptr;
-    used_ += bytes;
-  }
-  void* ptr = std::aligned_alloc(kBlockAlignBytes, bytes);
-  if (ptr == nullptr) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    used_ -= bytes;
-  }
-  return ptr;
+namespace {
+
+[[noreturn]] void fail(const char* what) {
+  throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " + std::strerror(errno));
 }
 
-void HostBackend::segment_free(void* ptr, std::size_t bytes) {
-  std::free(ptr);
+}  // namespace
+
+HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes) {
+  fd_ = ::memfd_create("wwrun-pages", MFD_CLOEXEC);
+  if (fd_ < 0) fail("memfd_create");
+  // Sparse: a page takes memory only once written.
+  const std::size_t pages = capacity_ / kPageBytes;
+  if (::ftruncate(fd_, static_cast<off_t>(pages * kPageBytes)) != 0) fail("ftruncate");
+}
+
+HostBackend::~HostBackend() { ::close(fd_); }
+
+bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
   std::lock_guard<std::mutex> lock(mutex_);
-  used_ -= bytes;
+  if (used_ + count * kPageBytes > capacity_) return false;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (!free_pages_.empty()) {
+      pages->push_back(free_pages_.back());
+      free_pages_.pop_back();
+    } else {
+      pages->push_back(next_page_++);
+    }
+  }
+  used_ += count * kPageBytes;
+  return true;
+}
+
+void HostBackend::page_release(PageHandle page) {
+  // Back to the kernel, and zeroed for its next use. A forked child shares the
+  // file with its parent, whose data this page may still hold: only forgotten.
+  if (!forked_ && ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              static_cast<off_t>(page * kPageBytes), kPageBytes) != 0) {
+    fail("fallocate(PUNCH_HOLE)");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_pages_.push_back(page);
+  used_ -= kPageBytes;
+}
+
+void* HostBackend::va_reserve(std::size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (va_reserved_ + bytes > capacity_ + capacity_ / 8) return nullptr;
+    va_reserved_ += bytes;
+  }
+  // Over-reserved by a page, then trimmed to a page-aligned range.
+  const std::size_t span = bytes + kPageBytes;
+  void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    va_reserved_ -= bytes;
+    return nullptr;
+  }
+  const auto start = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t base = (start + kPageBytes - 1) / kPageBytes * kPageBytes;
+  if (base > start) ::munmap(raw, base - start);
+  const std::uintptr_t tail = start + span - (base + bytes);
+  if (tail > 0) ::munmap(reinterpret_cast<void*>(base + bytes), tail);
+  return reinterpret_cast<void*>(base);
+}
+
+void HostBackend::va_release(void* base, std::size_t bytes) {
+  ::munmap(base, bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  va_reserved_ -= bytes;
+}
+
+void HostBackend::page_map(void* address, PageHandle page) {
+  void* got = ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
+                     static_cast<off_t>(page * kPageBytes));
+  if (got == MAP_FAILED) fail("mmap of a page");
+}
+
+void HostBackend::page_unmap(void* address, std::size_t bytes) {
+  // The range stays reserved (PROT_NONE), as a CUDA reservation does.
+  void* got = ::mmap(address, bytes, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (got == MAP_FAILED) fail("mmap PROT_NONE over pages");
 }
 
 EventHandle HostBackend::event_create() { return new HostEvent; }

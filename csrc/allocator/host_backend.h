@@ -1,6 +1,13 @@
 // A backend on host memory with simulated streams and events, so that every rule
 // of the allocator runs on a CPU-only machine.
 //
+// Pages: one memfd holds every page (page i at offset i * kPageBytes), so a page
+// can be mapped at any address (mmap MAP_FIXED|MAP_SHARED over a PROT_NONE
+// reservation) and keeps its contents when it moves, as a CUDA page does. A
+// released page is punched out of the file (fallocate PUNCH_HOLE): its memory
+// goes back to the kernel, and the page comes back zeroed when created again.
+// `capacity` bytes make capacity / kPageBytes pages.
+//
 // Simulation: each stream has a count of events recorded on it and a count of
 // events completed. A stream is "running" unless a test holds it: events recorded
 // on a running stream complete at once; on a held stream they stay pending until
@@ -29,10 +36,19 @@ using WaitRecord = std::tuple<StreamId, StreamId, std::uint64_t>;
 
 class HostBackend : public Backend {
  public:
-  explicit HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes) {}
+  explicit HostBackend(std::size_t capacity_bytes);
+  ~HostBackend() override;
 
-  void* segment_alloc(std::size_t bytes) override;
-  void segment_free(void* ptr, std::size_t bytes) override;
+  bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
+  void page_release(PageHandle page) override;
+  bool fresh_pages_zeroed() const override { return true; }
+  void* va_reserve(std::size_t bytes) override;
+  void va_release(void* base, std::size_t bytes) override;
+  // Exactly what a range needs, and at most `capacity` and an eighth more in all:
+  // address space counts against RLIMIT_AS, which threads' stacks need too.
+  std::size_t va_arena_bytes() const override { return 0; }
+  void page_map(void* address, PageHandle page) override;
+  void page_unmap(void* address, std::size_t bytes) override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;
   void event_record(EventHandle event, StreamId stream) override;
@@ -52,8 +68,12 @@ class HostBackend : public Backend {
   // Around fork(), as MemoryFlowAllocator (taken after the allocator's lock).
   void before_fork() { mutex_.lock(); }
   void after_fork_in_parent() { mutex_.unlock(); }
-  // In a forked child: a lock another parent thread held is remade.
-  void reset_after_fork() { new (&mutex_) std::mutex(); }
+  // In a forked child: a lock another parent thread held is remade, and pages
+  // are no longer punched out of the memfd, which the parent shares.
+  void reset_after_fork() {
+    new (&mutex_) std::mutex();
+    forked_ = true;
+  }
 
  private:
   struct SimStream {
@@ -64,6 +84,11 @@ class HostBackend : public Backend {
   std::mutex mutex_;
   std::size_t capacity_;
   std::size_t used_ = 0;
+  int fd_ = -1;
+  std::uint64_t next_page_ = 0;         // pages [0, next_page_) have been handed out once
+  std::vector<PageHandle> free_pages_;  // released, punched
+  bool forked_ = false;
+  std::size_t va_reserved_ = 0;
   std::unordered_map<StreamId, SimStream> streams_;
   std::vector<WaitRecord> waits_;
 };

@@ -9,10 +9,13 @@
 // ---------------------------------------------------------------------------
 // Policy
 // ---------------------------------------------------------------------------
-// Blocks come from device segments, rounded into size classes, found best-fit,
-// split and coalesced. Small requests (<= 1 MiB) and large ones use separate
-// segments and pools, as in c10, so long-lived small tensors do not pin large
-// segments; tiny ones (<= 256 KiB) have their own too (size_classes.h). A freed
+// The budget is physical pages (kPageBytes, 2 MiB), mapped into virtual ranges
+// (segments) that are stitched from free pages wherever they are and give their
+// empty pages back when another request needs them (Note [Pages]). Blocks come
+// from the ranges, rounded into size classes, found best-fit, split and
+// coalesced. Small requests (<= 1 MiB) and large ones use separate ranges and
+// pools, as in c10, so long-lived small tensors do not pin large ranges; tiny
+// ones (<= 256 KiB) have their own too (size_classes.h). A freed
 // block remembers its stream, the job it belonged to, and an event recorded at
 // free time on that stream (Note [Lazy events]). An allocation
 // of size n on stream S takes, in priority order:
@@ -21,22 +24,29 @@
 //   c. a free block from another stream whose event is still pending: S is made
 //      to wait for that event on the device (cudaStreamWaitEvent; the host never
 //      blocks); among several, the oldest event first;
-//   d. a new device segment (the size class's usual size, else the tightest);
-//   e. segments that are wholly free are released (waiting only on their own
-//      events) and the request retried; then a free block in the segments of a
-//      larger size class, taken as in a-c (Note [Borrowing]);
+//   d. for a large request, a range whose last block is free (and safe for S
+//      at once) grows in place by the pages it lacks; else a new range (the
+//      size class's usual size, else the tightest). Pages come from the
+//      budget's free pages first, then fresh from the device;
+//   e. the whole empty pages of free blocks in any job's ranges go back to the
+//      budget, those whose events completed first, then, waiting on the host
+//      for their own events, pending ones; then d is tried again. Last, a free
+//      block in the ranges of another size class, taken as in a-c (Note
+//      [Borrowing]);
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
 //      itself waiting here, none will free: the latest to arrive fails at once
 //      instead, and one failing gives the other waiters a new bound (Note
 //      [Rule f deadlock]);
 //   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
-//      request, the job's usage and the device's usage by job.
+//      request, the job's usage, the device's usage by job, and what was free at
+//      the moment of the decision: whole pages, and the largest free block.
 // A job's own limit is checked first: beyond it the job goes straight to g.
 //
 // Isolation: a block handed to job J is zeroed on J's stream unless every byte of
-// it was last owned by J or is clean (see Note [Owners]). New segments are zeroed
-// once when created, because the device may hand back memory another job freed.
+// it was last owned by J or is clean (see Note [Owners]). A page that moves into
+// a new range for J is zeroed unless it held J's data or is clean; fresh pages
+// are zeroed once unless the backend's come zeroed (the host's do).
 // Zeroing at hand-out goes through Backend::memset_zero, one call per block,
 // issued after the allocator lock is released (allocate() in allocator_core.cpp).
 // When a job ends, its dirty free blocks are scrubbed ahead of time in one batch
@@ -45,7 +55,11 @@
 // ---------------------------------------------------------------------------
 // Glossary
 // ---------------------------------------------------------------------------
-//   Segment   memory obtained from the backend in one call; split into Blocks.
+//   Page      kPageBytes of physical memory (Backend::pages_create); mapped in a
+//             range, or free in the budget (free_pages_), unmapped, remembering
+//             whose data it holds.
+//   Segment   a range: pages mapped at consecutive addresses of reserved virtual
+//             memory; split into Blocks.
 //   Block     a contiguous range of a segment, allocated or free; neighbours in
 //             address order are linked, so coalescing is O(1).
 //   EventRef  a pooled, reference-counted backend event; the blocks split from
@@ -59,6 +73,31 @@
 //             pool, never handed out, coalesced or released until finish_scrub.
 //   Job       a named user of the allocator; streams are bound to jobs, and an
 //             unbound stream belongs to job 0, "default" (Note [Side streams]).
+//
+// Note [Pages]. Jobs that share one budget take turns with memory whose shape
+// changes: blocks cached in one job's ranges must reach the next job whatever
+// their size. So the budget is pages, and ranges are made of them:
+//   - rule d maps a range's pages at a virtual range of its own (va_take, from
+//     reservations the core makes): free pages of the budget
+//     first, wherever they came from, then fresh ones within the limit. A range
+//     is thus stitched from scattered pages, and a request fails only when the
+//     budget lacks pages, never because free memory is scattered. A large range
+//     keeps virtual room behind it: when its last block is free,
+//     it grows there (grow_range), so a request a little larger than that block
+//     takes it whole and adds only the pages it lacks.
+//   - rule e cuts the whole pages out of free blocks (cut_pages): the range is
+//     split around them, they are unmapped, and join the budget's free pages
+//     with their owner. Only once their last use completed: a ready block's at
+//     once, a pending block's after the host waited for its event (unmapping
+//     memory the device still uses is undefined). The slivers either side stay.
+//   - empty pages stay mapped while nobody needs them (remapping is a driver
+//     call per page and, on the host, page faults): rule e runs when a request
+//     finds no block and no room for a new range, and empty_cache returns them
+//     to the device.
+// Every byte of a ready free block's whole pages is usable by any job's
+// request before it waits (f) or fails (g); what no request can use is the
+// slivers smaller than a page at a range's free edges, and memory behind
+// pending events, record_stream uses, or a batched scrub.
 //
 // Note [Owners]: a free block's owner is the job whose data it holds, kClean for
 // zeroed memory, or kMixed after coalescing blocks of different jobs. Mixed blocks
@@ -95,7 +134,7 @@
 // clean block may absorb a ready neighbour holding another job's data; the merged
 // block is then that job's again (Note [Owners]): conservative, never leaking.
 // In-scrub blocks are in no pool and no neighbour absorbs them, so they are
-// never handed out, coalesced or released (rule e skips their segments). Should
+// never handed out, coalesced or released (rule e cuts no page out of them). Should
 // the launch fail, finish_scrub(zeroed=false) returns them still dirty, and
 // hand-out zeroing covers them as before. Blocks the job frees after its end
 // (module globals dropped later), or that were mixed with another job's data,
@@ -115,8 +154,10 @@
 // are not provably one job's.
 //
 // Note [Locking]: one mutex per allocator. It is never held across a call that
-// can block (segment_alloc/free, event_synchronize, memset of host memory), nor
-// while waiting for other jobs' frees (rule f waits on a condition variable).
+// can block (pages_create, event_synchronize, memset of host memory), nor while
+// waiting for other jobs' frees (rule f waits on a condition variable).
+// Mapping, unmapping and releasing idle pages, and reserving virtual memory,
+// are quick calls made under it, so that no page is ever in no one's count.
 #pragma once
 
 #include <chrono>
@@ -191,12 +232,20 @@ struct Block {
 };
 
 struct Segment {
-  char* base = nullptr;
-  std::size_t size = 0;
+  char* base = nullptr;  // page-aligned
+  std::size_t size = 0;  // a multiple of kPageBytes
   Block* head = nullptr;
   PoolIndex pool = kLargePool;  // the requests it serves (size_classes.h)
   StreamId stream = 0;  // the stream it was created for (memory snapshots)
+  std::vector<PageHandle> pages;  // pages[i] is mapped at base + i * kPageBytes
+  char* va_end = nullptr;  // its virtual memory, mapped or not, ends here: room to grow
   bool small() const { return pool != kLargePool; }  // serves requests <= kSmallRequestBytes
+};
+
+// A page of the budget that no range maps (Note [Pages]).
+struct FreePage {
+  PageHandle handle = 0;
+  JobId owner = kClean;  // whose data it holds (Note [Owners])
 };
 
 // Best-fit order; lower_bound(n) with a size finds the smallest block >= n.
@@ -247,17 +296,18 @@ struct DeviceStats {
   Stat reserved_bytes;   // invariant: reserved_bytes.current >= allocated_bytes.current
   Stat requested_bytes;
   Stat allocations;
-  Stat segments;
+  Stat segments;          // ranges
   std::int64_t num_ooms = 0;
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
   std::int64_t num_release_deadlocks = 0;  // jobs failed because all they waited for waited too
-  std::int64_t num_borrows = 0;  // requests served from a larger size class's segment (Note [Borrowing])
+  std::int64_t num_borrows = 0;  // requests served from another size class's range (Note [Borrowing])
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
   std::int64_t scrub_batches = 0;         // batched scrubs finished (one launch each)
-  std::int64_t fresh_scrubbed_bytes = 0;  // new segments zeroed once
+  std::int64_t fresh_scrubbed_bytes = 0;  // fresh pages zeroed once (not the host's)
+  std::int64_t num_page_moves = 0;        // pages cut out of a range to serve another (rule e)
   std::int64_t pending_event_bytes = 0;   // free, deferred or in-scrub bytes behind pending events
 };
 
@@ -266,6 +316,7 @@ struct Snapshot {
   std::vector<JobStats> jobs;
   std::int64_t fragmentation_bytes = 0;  // reserved - allocated
   std::int64_t largest_free_block = 0;
+  std::int64_t free_page_bytes = 0;  // whole free pages: the budget's, and inside free blocks
 };
 
 struct BlockInfo {
@@ -316,7 +367,7 @@ struct WaitHooks {
 };
 
 struct Options {
-  std::size_t reserved_limit = 0;  // bytes of segments the allocator may hold; 0: none
+  std::size_t reserved_limit = 0;  // bytes of pages the allocator may hold; 0: none
   double release_wait_s = 2.0;     // rule f's bound
   WaitHooks wait_hooks;
   // The job the calling thread runs (mark_job_thread), or empty; unset: threads
@@ -374,9 +425,10 @@ class MemoryFlowAllocator {
   // Records lazily held events (Note [Lazy events]), then moves free blocks
   // whose events completed to the ready pool.
   void process_events();
-  // Rule e on demand (empty_cache): releases wholly free segments, or with `job`
-  // only those holding that job's data alone (a job's empty_cache must not take
-  // other jobs' cache away, nor wait on their streams). Returns bytes.
+  // Rule e on demand (empty_cache): returns to the device the whole pages of
+  // free blocks and the budget's free pages, or with `job` only those holding
+  // that job's data alone (a job's empty_cache must not take other jobs' cache
+  // away, nor wait on their streams). Returns bytes.
   std::size_t release_free_segments(std::optional<JobId> job = std::nullopt);
   // cacheInfo for a thread on `stream` (cuDNN sizes benchmark workspaces by it):
   // the largest block it could get, cached or fresh (`device_free`), capped at
@@ -412,12 +464,23 @@ class MemoryFlowAllocator {
   Block* take_free_block(Pool& pool, std::size_t size, StreamId stream, Allocation& out);
   Block* borrow_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
-  Block* add_segment(void* base, std::size_t bytes, PoolIndex kind, StreamId stream);
+  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
+  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
+  bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
+  void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
+                 std::vector<std::pair<char*, std::size_t>>& zero_runs);
+  std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
+  bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
+  std::size_t cut_pages(Block* block);
+  static std::size_t whole_pages(const Block* block);
+  std::size_t free_whole_pages_locked() const;
+  char* va_take(std::size_t bytes);
+  void va_give(char* base, std::size_t bytes);
+  bool trim_growth_room();
   Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
   Pool& pool_for(std::size_t size) { return pools_[pool_index(size)]; }
   bool over_limit(JobId job, std::size_t size) const;
   bool within_reserved_limit(std::size_t segment_bytes) const;
-  void* obtain_segment(Lock& lock, std::size_t bytes, StreamId stream);
   std::optional<JobId> find_job_locked(const std::string& name) const;
   Block* carve(Block* block, std::size_t size, std::size_t requested, StreamId stream,
                JobId job, Allocation& out);
@@ -476,7 +539,16 @@ class MemoryFlowAllocator {
   bool eager_events_ = false;            // a second stream was seen
   std::unordered_map<StreamId, EventRef*> lazy_events_;  // not yet recorded
   std::uint64_t event_serial_ = 0;
-  std::size_t reserving_bytes_ = 0;  // segments being obtained with the lock released
+  std::size_t reserving_bytes_ = 0;  // fresh pages being created with the lock released
+  std::vector<FreePage> free_pages_;  // the budget's unmapped pages (Note [Pages])
+  // Virtual memory: reservations (at least Backend::va_arena_bytes each) by
+  // base, and their unused parts by address (coalesced within a reservation,
+  // never across two). A reservation wholly unused goes back to the backend.
+  // A large range's virtual room beyond its pages, to grow into (rule d): as
+  // much again as its pages, at most kGrowBytes.
+  static constexpr std::size_t kGrowBytes = std::size_t{1} << 30;
+  std::map<char*, std::size_t> arenas_;
+  std::map<char*, std::size_t> free_va_;
 
   std::vector<JobStats> jobs_;
   std::unordered_map<StreamId, JobId> stream_jobs_;  // registered streams

@@ -234,8 +234,9 @@ class HostAllocator:
     Streams are small integers; stream 0 and any unregistered stream belong to
     the job "default". An event recorded on a stream completes at once unless the
     stream is held (`hold`), in which case it stays pending until `complete`.
-    `capacity` is the simulated device's memory in bytes; `reserved_limit`
-    optionally caps the bytes of segments the allocator may hold.
+    `capacity` is the simulated device's memory in bytes (whole 2 MiB pages of
+    one memfd); `reserved_limit` optionally caps the bytes of pages the allocator
+    may hold.
     Batched scrubs run on the simulated stream `SCRUB_STREAM` (hold it to keep a
     scrub pending), with `zero_ranges_` under Triton's interpreter zeroing the
     host memory itself.
@@ -334,8 +335,9 @@ class HostAllocator:
         self._impl.process_events()
 
     def empty_cache(self, job: str | None = None) -> int:
-        """Releases wholly free segments (rule e on demand); returns the bytes released.
-        With `job`, only the segments holding that job's data alone, as a job's
+        """Returns the whole empty pages of free blocks, and the budget's free pages,
+        to the device (rule e on demand); returns the bytes released. With `job`,
+        only the pages holding that job's data alone, as a job's
         torch.cuda.empty_cache() does: other jobs keep their cache."""
         return self._impl.empty_cache(None if job is None else self._job_id(job))
 
@@ -530,7 +532,7 @@ def cpu_unregister_job(job: str) -> None:
 
 
 def cpu_empty_cache() -> int:
-    """Releases wholly free segments to the operating system; returns bytes."""
+    """Returns the empty pages of free blocks to the operating system; returns bytes."""
     return _cpu().empty_cache()
 
 
