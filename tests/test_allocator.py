@@ -1444,3 +1444,25 @@ def test_a_forked_dataloader_under_the_cpu_allocator_does_not_deadlock(tmp_path)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-2:] == ["ok", "True"]
+
+
+def test_a_forked_child_s_writes_stay_its_own(cpu_allocator):
+    # Note [Pages after fork]: the pages come from one memfd mapped MAP_SHARED; a
+    # DataLoader worker writing in place to a tensor made before the fork must not
+    # change the parent's, as under plain fork() copy-on-write.
+    import os
+
+    cpu_allocator(64 << 20)
+    tensor = torch.zeros(3 << 20, dtype=torch.uint8)  # 3 MiB: two pages, one whole
+    assert wwalloc.cpu_stats()["device"]["allocated_bytes"]["current"] >= tensor.numel()
+    pid = os.fork()
+    if pid == 0:  # the child: write, check its own view, end without Python's exit
+        try:
+            tensor.fill_(7)
+            fresh = torch.full((1 << 20,), 5, dtype=torch.uint8)
+            os._exit(0 if int(tensor.min()) == 7 and int(fresh.max()) == 5 else 3)
+        finally:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(tensor.max()) == 0  # the parent's tensor is untouched

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -89,16 +90,48 @@ void HostBackend::va_release(void* base, std::size_t bytes) {
 }
 
 void HostBackend::page_map(void* address, PageHandle page) {
-  void* got = ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
-                     static_cast<off_t>(page * kPageBytes));
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A forked child maps fresh anonymous memory: the memfd's pages are its parent's.
+  void* got = forked_ ? ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+                      : ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                               fd_, static_cast<off_t>(page * kPageBytes));
   if (got == MAP_FAILED) fail("mmap of a page");
+  mapped_[reinterpret_cast<std::uintptr_t>(address)] = page;
 }
 
 void HostBackend::page_unmap(void* address, std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
   // The range stays reserved (PROT_NONE), as a CUDA reservation does.
   void* got = ::mmap(address, bytes, PROT_NONE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (got == MAP_FAILED) fail("mmap PROT_NONE over pages");
+  const auto start = reinterpret_cast<std::uintptr_t>(address);
+  for (std::uintptr_t at = start; at < start + bytes; at += kPageBytes) mapped_.erase(at);
+}
+
+// Note [Pages after fork]: fork() copies a process's private memory copy-on-write,
+// but MAP_SHARED pages stay shared, so a DataLoader worker's in-place write to a
+// tensor made before the fork (a dataset transform) reached the parent's jobs, and
+// theirs the worker. In the child every mapped page is mapped again MAP_PRIVATE
+// from the same memfd offset: no copy is made, and the first write to a page gives
+// the child its own copy, as fork() does for anonymous memory. (A page the child
+// has not written still shows later writes by the parent, where fork() would keep
+// the content it had: only memory the parent has freed and reused differs, and
+// the child's pre-fork tensors are the parent's too, so it keeps them alive.)
+// The child allocates from the previous allocator (cpu_allocator.cpp); pages it
+// maps anew are anonymous, and none is punched out of the parent's file.
+void HostBackend::reset_after_fork() {
+  new (&mutex_) std::mutex();
+  forked_ = true;
+  for (const auto& [address, page] : mapped_) {
+    void* got = ::mmap(reinterpret_cast<void*>(address), kPageBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_FIXED, fd_, static_cast<off_t>(page * kPageBytes));
+    if (got == MAP_FAILED) {  // in a child of fork(): say it, as the rest cannot be undone
+      std::fprintf(stderr, "wwrun allocator: a page stays shared with the parent after fork: %s\n",
+                   std::strerror(errno));
+    }
+  }
 }
 
 EventHandle HostBackend::event_create() { return new HostEvent; }

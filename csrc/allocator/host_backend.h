@@ -68,12 +68,10 @@ class HostBackend : public Backend {
   // Around fork(), as MemoryFlowAllocator (taken after the allocator's lock).
   void before_fork() { mutex_.lock(); }
   void after_fork_in_parent() { mutex_.unlock(); }
-  // In a forked child: a lock another parent thread held is remade, and pages
-  // are no longer punched out of the memfd, which the parent shares.
-  void reset_after_fork() {
-    new (&mutex_) std::mutex();
-    forked_ = true;
-  }
+  // In a forked child (Note [Pages after fork] in host_backend.cpp): a lock another
+  // parent thread held is remade, every mapped page becomes the child's own
+  // copy-on-write view, and pages are no longer punched out of the shared memfd.
+  void reset_after_fork();
 
  private:
   struct SimStream {
@@ -88,6 +86,7 @@ class HostBackend : public Backend {
   std::uint64_t next_page_ = 0;         // pages [0, next_page_) have been handed out once
   std::vector<PageHandle> free_pages_;  // released, punched
   bool forked_ = false;
+  std::unordered_map<std::uintptr_t, PageHandle> mapped_;  // page address -> page
   std::size_t va_reserved_ = 0;
   std::unordered_map<StreamId, SimStream> streams_;
   std::vector<WaitRecord> waits_;
