@@ -1466,3 +1466,17 @@ def test_a_forked_child_s_writes_stay_its_own(cpu_allocator):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert int(tensor.max()) == 0  # the parent's tensor is untouched
+
+
+def test_out_of_memory_is_torch_s_whichever_allocator_extension_loaded_first():
+    # Both allocator extensions in one process, the CPU one first (as a run's tests
+    # load them): the host allocator's OutOfMemory still arrives as
+    # torch.OutOfMemoryError, not as "returned NULL without setting an exception".
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom wwrun.memory import allocator as a\na._extension('cpu')\n"
+            "h = a.HostAllocator(4 << 20)\ntry:\n    h.alloc(8 << 20)\n"
+            "except torch.OutOfMemoryError as e:\n    print('oom', 'job' in str(e))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "oom True", done.stderr[-2000:]

@@ -118,12 +118,16 @@ inline std::vector<void*> as_pointers(const std::vector<std::uintptr_t>& address
 // OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native
 // allocator's error catches ours too.
 inline void register_out_of_memory(py::module_& m) {
-  static py::object torch_oom = py::module_::import("torch").attr("OutOfMemoryError");
-  py::register_exception_translator([](std::exception_ptr error) {
+  // Module-local, and torch's class looked up when raised (translators run with the
+  // GIL): a static here is one object shared by every wwrun extension of the
+  // process (an inline function's static is a unique symbol), and with the CPU
+  // allocator's extension loaded first the host allocator's errors came out as
+  // "SystemError: ... returned NULL without setting an exception".
+  py::register_local_exception_translator([](std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const OutOfMemory& oom) {
-      PyErr_SetString(torch_oom.ptr(), oom.what());
+      PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), oom.what());
     }
   });
   (void)m;
