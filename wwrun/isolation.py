@@ -264,7 +264,7 @@ def deliver_signal(job: JobContext, signum: int) -> None:
 
 def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
     """Raise `exc` asynchronously in the thread, at its next Python bytecode outside
-    an import or logging.
+    an import or logging, and not while it starts a thread.
 
     There it would wait: importlib's module locks and logging's locks are taken and
     let go by Python code, and an exception landing between the two leaves the lock
@@ -286,9 +286,14 @@ def _interrupt_outside_locks(thread_id: int, exc) -> bool | None:
     if _in_lock_code(thread_id):
         return None
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    if set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) != 1:
+    states = set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
+    if states == 0:
         return False
-    if _in_lock_code(thread_id):  # it got there between the look and the set: take it back
+    # Set in two states: the thread is starting a thread, whose state carries its
+    # starter's id until it runs (the new thread would die before saying it started,
+    # and its starter wait for that forever). Or it got into lock code between the
+    # look and the set. Either way: taken back from all, tried again.
+    if states > 1 or _in_lock_code(thread_id):
         set_async_exc(ctypes.c_ulong(thread_id), None)
         return None
     return True
