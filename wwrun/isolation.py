@@ -264,7 +264,7 @@ def deliver_signal(job: JobContext, signum: int) -> None:
 
 def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
     """Raise `exc` asynchronously in the thread, at its next Python bytecode outside
-    an import or logging, and not while it starts a thread.
+    an import or logging, and not while it starts a thread (see `_in_lock_code`).
 
     There it would wait: importlib's module locks and logging's locks are taken and
     let go by Python code, and an exception landing between the two leaves the lock
@@ -286,14 +286,9 @@ def _interrupt_outside_locks(thread_id: int, exc) -> bool | None:
     if _in_lock_code(thread_id):
         return None
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    states = set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
-    if states == 0:
+    if set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) == 0:
         return False
-    # Set in two states: the thread is starting a thread, whose state carries its
-    # starter's id until it runs (the new thread would die before saying it started,
-    # and its starter wait for that forever). Or it got into lock code between the
-    # look and the set. Either way: taken back from all, tried again.
-    if states > 1 or _in_lock_code(thread_id):
+    if _in_lock_code(thread_id):  # it got there between the look and the set: take it back
         set_async_exc(ctypes.c_ulong(thread_id), None)
         return None
     return True
@@ -309,19 +304,27 @@ def _interrupt_when_out(thread_id: int, exc) -> None:
 
 
 def _in_lock_code(thread_id: int) -> bool:
-    """The thread runs an import (importlib's code, or wwrun's first-import lock) or
-    logging's code."""
+    """The thread runs an import (importlib's code, or wwrun's first-import lock),
+    logging's code, or `Thread.start`: until the new thread runs, its state carries
+    its starter's id and, the newest, is the one Python sets the exception in; the
+    new thread dies before it says it started, and the starter (a DataLoader, tqdm's
+    monitor) waits for that forever, in a lock no exception reaches."""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith("<frozen importlib") or code.co_filename == _LOGGING_FILE \
-                or code in _IMPORT_CODES:
+                or code.co_filename.endswith(_TQDM_FILE) or code in _IMPORT_CODES \
+                or (code.co_name == "start" and code.co_filename == _THREADING_FILE):
             return True
         frame = frame.f_back
     return False
 
 
+_THREADING_FILE = threading.__file__
+# Libraries whose process-wide locks are taken and let go in Python code: logging's,
+# and tqdm's (taken for every bar of every job; an interrupted job left it held).
 _LOGGING_FILE = logging.__file__
+_TQDM_FILE = os.path.join(os.sep + "tqdm", "std.py")
 
 
 # An asynchronous exception can land in a finalizer (`__del__`, a weakref callback)
