@@ -142,6 +142,21 @@ def test_live_table_shows_what_a_requeued_job_waits_for_not_its_earlier_attempt_
     assert requeued.reason is None and "starting" in _live_table([requeued], {}, {"late": "starting"})
 
 
+def test_live_table_leaves_the_terminal_s_last_column_free():
+    """After a row as wide as the terminal, the ^C the terminal echoes wraps the
+    cursor to a new line, and each redraw then left a stale header above."""
+    display = LiveDisplay(io.StringIO(), io.StringIO(), tee=False)
+    display.console = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    display.runner = SimpleNamespace(
+        jobs=[SimpleNamespace(result=_job("lstm", JobState.RUNNING), output=SimpleNamespace(last_line="x" * 200))],
+        memory_of=lambda name: 2**20,
+    )
+    display.console.print(display._table())
+    lines = display.console.file.getvalue().splitlines()
+    assert len(lines) == 2 and "lstm" in lines[1]
+    assert max(len(line) for line in lines) == 78  # room for the two of "^C"
+
+
 def test_plain_lines_survive_a_stream_that_cannot_encode_them():
     raw = io.BytesIO()
     stream = io.TextIOWrapper(raw, encoding="ascii")

@@ -470,6 +470,37 @@ def test_a_job_that_ends_holding_activations_is_no_longer_expected_to_free_them(
     assert heard[-1] == ("fails", 0)
 
 
+def test_a_job_abandoned_mid_forward_is_ended_from_another_thread():
+    """A job that does not stop within the grace period is ended from the launcher's
+    thread while its own is mid-forward: its saved-tensor hooks are on its own
+    thread's stack, and popping them from the launcher's made torch assert (the run
+    ended in a traceback, without its summary)."""
+    engine = Engine(1 << 30, "waterwave")
+    inside, release = threading.Event(), threading.Event()
+
+    class Stuck(nn.Module):
+        def forward(self, x):
+            inside.set()
+            release.wait(60)
+            return x
+
+    ended = []
+
+    def stuck_job():
+        engine.job_started("stuck")
+        model = nn.Sequential(nn.Linear(32, 64), Stuck(), nn.ReLU())
+        model(torch.randn(8, 32)).sum().backward()
+        ended.append("forward ended")
+
+    thread = threading.Thread(target=stuck_job, daemon=True)
+    thread.start()
+    assert inside.wait(60)
+    engine.job_finished("stuck")  # from this thread, as the launcher abandons it
+    release.set()
+    thread.join(60)
+    assert ended == ["forward ended"]
+
+
 def test_a_profiled_pass_that_never_steps_does_not_hold_the_other_jobs_back():
     """A job's first (profiled) iteration runs with no other pass started beside it
     until its optimizer step or its next pass; one whose backward never comes (it

@@ -231,6 +231,89 @@ def test_an_interrupt_landing_in_a_finalizer_still_reaches_the_job(tmp_path):
     assert all((tmp_path / f"ckpt{i}").read_text() == "saved" for i in range(count))
 
 
+def _interrupt_while_inside(enter_and_wait, gate) -> list[str]:
+    """Interrupt a thread while `enter_and_wait()` holds it inside lock-taking code
+    until `gate.release` is set; what the thread saw, in order."""
+    import threading
+    import time
+
+    from wwrun import isolation
+
+    outcome = []
+
+    def target():
+        try:
+            enter_and_wait()
+            outcome.append("done")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            outcome.append("never interrupted")
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    assert gate.entered.wait(60), "the thread never got inside"
+    assert isolation.interrupt(thread.ident)
+    gate.release.set()
+    thread.join(60)
+    return outcome
+
+
+def _gate(monkeypatch):
+    import threading
+    import types
+
+    gate = types.ModuleType("wwrun_test_gate")
+    gate.entered, gate.release = threading.Event(), threading.Event()
+    monkeypatch.setitem(sys.modules, gate.__name__, gate)
+    return gate
+
+
+WAIT_AT_GATE = "entered.set()\nwhile not release.is_set():\n    time.sleep(0.01)\n"
+
+
+def test_an_interrupt_waits_for_the_import_it_would_break(tmp_path, monkeypatch):
+    """Landing inside an import, an interrupt can leave one of importlib's module locks
+    held by a thread that is gone (the next job importing the module then waits
+    forever): it is raised once the import is done, and the module is imported whole."""
+    gate = _gate(monkeypatch)
+    (tmp_path / "wwrun_test_slow_import.py").write_text(
+        "import time\nfrom wwrun_test_gate import entered, release\n" + WAIT_AT_GATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wwrun_test_slow_import", raising=False)
+
+    def import_it():
+        import wwrun_test_slow_import  # noqa: F401
+
+    assert _interrupt_while_inside(import_it, gate) == ["done", "interrupted"]
+    assert "wwrun_test_slow_import" in sys.modules
+
+
+def test_an_interrupt_waits_for_the_logging_call_it_would_break(monkeypatch):
+    """logging takes its locks in Python code too (an interrupt landing there left its
+    module lock held, and torch's log call at exit hung the process after the
+    summary): it is raised once the call is done."""
+    import logging
+    import time
+
+    gate = _gate(monkeypatch)
+
+    class SlowHandler(logging.Handler):
+        def emit(self, record):
+            exec(WAIT_AT_GATE, {"time": time, "entered": gate.entered, "release": gate.release})
+
+    logger = logging.getLogger("wwrun_test_slow_logging")
+    logger.propagate = False
+    handler = SlowHandler()
+    logger.addHandler(handler)
+    try:
+        assert _interrupt_while_inside(lambda: logger.warning("slow"), gate) == ["done", "interrupted"]
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_rebinding_process_wide_names_stays_in_the_job(tmp_path):
     # sys.argv, os.environ, sys.path and sys.stdout rebound by two jobs at once.
     rendezvous = tmp_path / "rendezvous"

@@ -189,7 +189,10 @@ class LiveDisplay(QuietDisplay):
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(box=None, pad_edge=False, expand=True)
+        # Two columns short of the terminal: after a full last row, the "^C" (or a
+        # key) the terminal echoes wraps the cursor to a new line, and each redraw
+        # then starts one row low, leaving a stale row above the table.
+        table = Table(box=None, pad_edge=False, expand=True, width=max(self.console.width - 2, 1))
         table.add_column("job", no_wrap=True, style="bold")
         table.add_column("state", no_wrap=True)
         table.add_column("elapsed", justify="right", no_wrap=True)

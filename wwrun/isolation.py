@@ -53,10 +53,12 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import io
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable
@@ -261,11 +263,68 @@ def deliver_signal(job: JobContext, signum: int) -> None:
 
 
 def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
-    """Raise `exc` asynchronously in the thread (at its next Python bytecode)."""
-    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc)
-    )
-    return done == 1
+    """Raise `exc` asynchronously in the thread, at its next Python bytecode outside
+    an import or logging, and not while it starts a thread (see `_in_lock_code`).
+
+    There it would wait: importlib's module locks and logging's locks are taken and
+    let go by Python code, and an exception landing between the two leaves the lock
+    held by a thread that is gone, so the next import of that module (`torch._dynamo`,
+    on a job's first optimizer) or the next log call (torch's, at exit) waits forever.
+    Raised before such code's first bytecode, it holds nothing. A thread still inside
+    after `_IMPORT_WAIT_S` gets it anyway.
+    """
+    done = _interrupt_outside_locks(thread_id, exc)
+    if done is None:
+        threading.Thread(target=_interrupt_when_out, args=(thread_id, exc),
+                         name="wwrun-interrupt", daemon=True).start()
+    return done is not False
+
+
+def _interrupt_outside_locks(thread_id: int, exc) -> bool | None:
+    """True once set; False if there is no such thread; None (nothing set) while it
+    runs lock-taking code."""
+    if _in_lock_code(thread_id):
+        return None
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    if set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) == 0:
+        return False
+    if _in_lock_code(thread_id):  # it got there between the look and the set: take it back
+        set_async_exc(ctypes.c_ulong(thread_id), None)
+        return None
+    return True
+
+
+def _interrupt_when_out(thread_id: int, exc) -> None:
+    deadline = time.monotonic() + _IMPORT_WAIT_S
+    while _interrupt_outside_locks(thread_id, exc) is None:
+        if time.monotonic() > deadline:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
+            return
+        time.sleep(0.02)
+
+
+def _in_lock_code(thread_id: int) -> bool:
+    """The thread runs an import (importlib's code, or wwrun's first-import lock),
+    logging's code, or `Thread.start`: until the new thread runs, its state carries
+    its starter's id and, the newest, is the one Python sets the exception in; the
+    new thread dies before it says it started, and the starter (a DataLoader, tqdm's
+    monitor) waits for that forever, in a lock no exception reaches."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or code.co_filename == _LOGGING_FILE \
+                or code.co_filename.endswith(_TQDM_FILE) or code in _IMPORT_CODES \
+                or (code.co_name == "start" and code.co_filename == _THREADING_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_THREADING_FILE = threading.__file__
+# Libraries whose process-wide locks are taken and let go in Python code: logging's,
+# and tqdm's (taken for every bar of every job; an interrupted job left it held).
+_LOGGING_FILE = logging.__file__
+_TQDM_FILE = os.path.join(os.sep + "tqdm", "std.py")
 
 
 # An asynchronous exception can land in a finalizer (`__del__`, a weakref callback)
@@ -868,6 +927,10 @@ def _find_and_load(name, import_):
         return find_and_load(name, import_)
     finally:
         _first_import_lock.release()
+
+
+_IMPORT_CODES = frozenset({_find_and_load.__code__, _FirstImportLock.acquire.__code__,
+                           _FirstImportLock.release.__code__})
 
 
 # _posixsubprocess.fork_exec's leading positional parameters (stable since 3.2).

@@ -144,6 +144,7 @@ class _Pass:
     nodes: list[Node] = field(default_factory=list)
     node_names: dict = field(default_factory=dict)  # while profiling: submodule -> its name
     saved_hooks: object = None
+    hooks_thread: int = 0  # the thread whose saved-tensor hooks stack holds saved_hooks
     sentinel_hooks: tuple | None = None  # measured steady state: our pushed (pack, unpack)
     profile_held: int = 0  # while profiling: held when the latest module began
     profile_step: int = 0  # while profiling: the most one module grew above that
@@ -543,6 +544,7 @@ class Engine:
             lambda t: self._pack(job, t, current.offload), _unpack
         )
         current.saved_hooks.__enter__()
+        current.hooks_thread = threading.get_ident()
 
     def _begin_evaluation(self, job: _Job, model: _Model, signature: tuple) -> None:
         """A no_grad pass keeps nothing for backward, but its temporaries (a whole
@@ -581,7 +583,9 @@ class Engine:
         current, now = job.current, time.perf_counter()
         job.current = None
         current.offload = None  # forward is over: what it left on the device stays for backward
-        if current.saved_hooks is not None:
+        # Saved-tensor hooks are per thread: a job abandoned mid-forward is ended from
+        # the launcher's thread, whose stack does not hold them (torch asserts).
+        if current.saved_hooks is not None and current.hooks_thread == threading.get_ident():
             current.saved_hooks.__exit__(None, None, None)
         self._pop_sentinel(current)
         current.node_names = {}
