@@ -1489,3 +1489,4 @@ def test_out_of_memory_is_torch_s_whichever_allocator_extension_loaded_first():
             "except torch.OutOfMemoryError as e:\n    print('oom', 'job' in str(e))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.stdout.strip() == "oom True", done.stderr[-2000:]
+

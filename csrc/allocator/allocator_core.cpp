@@ -600,7 +600,9 @@ char* MemoryFlowAllocator::va_take(std::size_t bytes) {
   if (best == free_va_.end()) {
     const std::size_t span = std::max(bytes, backend_.va_arena_bytes());
     auto* base = static_cast<char*>(backend_.va_reserve(span));
-    if (base == nullptr && trim_growth_room()) base = static_cast<char*>(backend_.va_reserve(span));
+    if (base == nullptr && (release_free_reservations() | trim_growth_room())) {
+      base = static_cast<char*>(backend_.va_reserve(span));
+    }
     if (base == nullptr) return nullptr;
     arenas_.emplace(base, span);
     best = free_va_.emplace(base, span).first;
@@ -610,6 +612,25 @@ char* MemoryFlowAllocator::va_take(std::size_t bytes) {
   free_va_.erase(best);
   if (rest > 0) free_va_.emplace(base + bytes, rest);
   return base;
+}
+
+// Reservations no range uses any more, given back whole: ranges come and go, and
+// their freed address space, kept for later ranges, can be in parts too small for
+// the next one while the backend's address-space budget is spent. True if any was.
+bool MemoryFlowAllocator::release_free_reservations() {
+  bool released = false;
+  for (auto arena = arenas_.begin(); arena != arenas_.end();) {
+    auto free = free_va_.find(arena->first);
+    if (free == free_va_.end() || free->second != arena->second) {
+      ++arena;
+      continue;
+    }
+    backend_.va_release(arena->first, arena->second);
+    free_va_.erase(free);
+    arena = arenas_.erase(arena);
+    released = true;
+  }
+  return released;
 }
 
 // The virtual room large ranges keep to grow into, given back where it ends

@@ -477,6 +477,7 @@ class MemoryFlowAllocator {
   char* va_take(std::size_t bytes);
   void va_give(char* base, std::size_t bytes);
   bool trim_growth_room();
+  bool release_free_reservations();
   Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
   Pool& pool_for(std::size_t size) { return pools_[pool_index(size)]; }
   bool over_limit(JobId job, std::size_t size) const;
