@@ -144,18 +144,20 @@ class FakeDevice:
         import threading
 
         self.free, self.allocated, self.reserved = 8000 * self.MiB, 0, 1000 * self.MiB
-        self.warmed, self.lock = set(), threading.Lock()
+        # The threads themselves, kept: an ended thread's ident is reused by the next.
+        self.warmed, self.lock = [], threading.Lock()
 
     def warm_up(self, index):
         import threading
 
         with self.lock:
-            if threading.get_ident() in self.warmed:
+            current = threading.current_thread()
+            if any(thread is current for thread in self.warmed):
                 return False
             self.free -= (20 + (0 if self.warmed else 100) + 66) * self.MiB
             self.reserved += 66 * self.MiB
             self.allocated += 66 * self.MiB
-            self.warmed.add(threading.get_ident())
+            self.warmed.append(current)
         return False
 
     def clear_workspaces(self):
