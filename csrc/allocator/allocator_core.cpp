@@ -402,13 +402,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
     got = take_pages(lock, count, job, pages);
   } catch (...) {
     tail->allocated = false;
-    if (tail->event != nullptr) {
-      StreamPool& pool = pool_of(tail).pending[tail->stream];
-      pool.by_size.insert(tail);
-      fifo_push_after(pool, pool.fifo_tail, tail);
-    } else {
-      pool_of(tail).ready.insert(tail);
-    }
+    relink_free(tail);
     throw;
   }
   // The range may have been split meanwhile (cut_pages): the tail's is its own.
@@ -430,13 +424,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
   tail->allocated = false;
   // Back in its pool, as it was or grown; pending pages zeroed on `stream` are
   // covered: only `stream` takes it at once (it is ready, or pending on it).
-  if (tail->event != nullptr) {
-    StreamPool& pool = pool_of(tail).pending[tail->stream];
-    pool.by_size.insert(tail);
-    fifo_push_after(pool, pool.fifo_tail, tail);
-  } else {
-    pool_of(tail).ready.insert(tail);
-  }
+  relink_free(tail);
   return got ? tail : nullptr;
 }
 
@@ -977,6 +965,17 @@ void MemoryFlowAllocator::unlink_free(Block* block) {
     fifo_remove(pool, block);
   } else {
     pool_of(block).ready.erase(block);
+  }
+}
+
+// unlink_free's inverse: the block back in its pool as it was (no merge, no count).
+void MemoryFlowAllocator::relink_free(Block* block) {
+  if (block->event != nullptr) {
+    StreamPool& pool = pool_of(block).pending[block->stream];
+    pool.by_size.insert(block);
+    fifo_push_after(pool, pool.fifo_tail, block);
+  } else {
+    pool_of(block).ready.insert(block);
   }
 }
 

@@ -493,6 +493,7 @@ class MemoryFlowAllocator {
   void insert_free(Block* block);
   void insert_ready(Block* block);
   void unlink_free(Block* block);
+  void relink_free(Block* block);
   void merge_into(Block* survivor, Block* absorbed);
   void fifo_push_after(StreamPool& pool, Block* after, Block* block);
   void fifo_remove(StreamPool& pool, Block* block);
