@@ -208,6 +208,42 @@ print(out["j"][0], plain[0], out["j"][1] == plain[1])
     assert same_losses == "True", result.stdout
 
 
+def test_backward_keeps_the_gradients_in_flight_it_measured():
+    """Backward holds more than the forward targets of the groups it has yet to go
+    through (each group's gradients in flight come on top of what it saved): the
+    allocator measures each group's backward, and the engine keeps that much until
+    backward is through the groups before (seen: five jobs under 128 MiB, each
+    keeping only its forward targets in backward, ran out of memory together)."""
+    code = r"""
+import json, threading, torch
+from torch import nn
+from wwrun.memory import Memory
+
+torch.set_num_threads(1)
+memory = Memory("cpu", 64 << 20, "waterwave", nodegroups=4)
+def job():
+    with memory.session("j"):
+        g = torch.Generator().manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.Tanh())])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(3):
+            loss = model(torch.randn(512, 256, generator=g)).square().mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+t = threading.Thread(target=job); t.start(); t.join()
+[model] = memory.engine._jobs["j"].models
+[plan] = model.plans.values()
+print(json.dumps([plan.targets(), [g.backward_peak_bytes for g in plan.groups], plan.keeps()]))
+memory.close()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    targets, backward, keeps = json.loads(result.stdout.splitlines()[-1])
+    assert len(targets) == 4 and all(backward), backward  # every group's backward measured
+    assert any(b > t for b, t in zip(backward, targets)), (backward, targets)  # more than forward's
+    for i in range(1, 4):
+        assert keeps[i] == max(targets[i - 1], *backward[:i]), (i, keeps, targets, backward)
+
+
 @pytest.mark.parametrize("environ, backend", [
     ({}, None),
     ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, None),

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from wwrun.memory.nodegroups import Node, make_plan, partition
+from wwrun.memory.nodegroups import Group, Node, Plan, make_plan, partition
 
 
 def brute_force_best(sizes, k):
@@ -58,3 +58,15 @@ def test_plan_defaults_and_no_grad_pass():
     assert len(make_plan(nodes).groups) == 8
     silent = make_plan([Node("", 0), Node("a", 0), Node("b", 0)])
     assert len(silent.groups) == 1 and silent.retained_bytes == 0
+
+
+def test_backward_keeps_what_the_groups_before_measured_in_their_backward():
+    """Once backward is through a group, the job keeps the most the groups before it
+    need: their forward target, or the gradients in flight on top of what they saved
+    (their measured backward), whichever is more; unmeasured, the forward target."""
+    plan = Plan(groups=[Group(["a"], 10, 0, peak_bytes=10), Group(["b"], 10, 0, peak_bytes=20),
+                        Group(["c"], 10, 0, peak_bytes=30)])
+    assert plan.keeps() == [0, 10, 20]
+    plan.groups[0].backward_peak_bytes = 25
+    plan.groups[1].backward_peak_bytes = 15
+    assert plan.keeps() == [0, 25, 25]

@@ -57,6 +57,9 @@ class Group:
     transient_bytes: int
     peak_bytes: int = 0
     """The most the job held above its pass-start bytes within the group (measured)."""
+    backward_peak_bytes: int = 0
+    """The most it held above them during the group's backward: the gradients in flight
+    come on top of what the group saved (measured once a backward went through it)."""
 
     @property
     def entry(self) -> str:
@@ -99,6 +102,17 @@ class Plan:
             reach = max(reach, group.peak_bytes) if measured else reach + group.retained_bytes
             targets.append(reach)
         return targets
+
+    def keeps(self) -> list[int]:
+        """What the job may still need once backward has gone through each group: the
+        forward target of the groups before it, or the most their backward measured,
+        whichever is more (the first group's entry is 0: the optimizer step's need
+        is the engine's)."""
+        keeps, targets, backward = [0], self.targets(), 0
+        for i in range(1, len(self.groups)):
+            backward = max(backward, self.groups[i - 1].backward_peak_bytes)
+            keeps.append(max(targets[i - 1], backward))
+        return keeps
 
 
 def partition(sizes: list[int], groups: int) -> list[range]:

@@ -81,7 +81,7 @@ class JobState:
     settled: bool = False  # profiled, and its persistent bytes known
     waiting: Want | None = None
     attained_s: float = 0.0
-    headroom: int = 0  # its largest block: room it needs in one piece (Scheduler._budget)
+    headroom: int = 0  # what it keeps free when sharing: room for its blocks in pages (Scheduler._budget)
     kind: object = None  # jobs of one kind are alike (Scheduler.alike_claim)
 
     @property
@@ -169,12 +169,14 @@ class Scheduler:
         """The bytes jobs with these headrooms may plan for together: the capacity,
         less each job's headroom when they share it. The allocator holds memory in segments and
         pools, so some bytes are always free in pieces among the others' blocks: each
-        job keeps room for its largest block, at least `headroom_per_job` (about a
-        partly used segment). A job alone has the whole capacity."""
+        job keeps a headroom sized from its largest block (the engine's), at least
+        `headroom_per_job` (about a partly used segment). A job alone has the whole
+        capacity."""
         return self.capacity - (sum(headrooms) if len(headrooms) > 1 else 0)
 
     def set_headroom(self, name: str, nbytes: int) -> None:
-        """The largest block the job needs in one piece (measured by the allocator)."""
+        """What the job keeps free while it shares the budget (from its largest block,
+        measured by the allocator)."""
         job = self.jobs[name]
         job.headroom = max(self.headroom_per_job, nbytes)
 
