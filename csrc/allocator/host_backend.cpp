@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -25,6 +26,10 @@ namespace {
 }  // namespace
 
 HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes) {
+  rlimit address_space{};
+  const bool unlimited =
+      ::getrlimit(RLIMIT_AS, &address_space) == 0 && address_space.rlim_cur == RLIM_INFINITY;
+  va_budget_ = unlimited ? 4 * capacity_ : capacity_ + capacity_ / 8;
   fd_ = ::memfd_create("wwrun-pages", MFD_CLOEXEC);
   if (fd_ < 0) fail("memfd_create");
   // Sparse: a page takes memory only once written.
@@ -64,7 +69,7 @@ void HostBackend::page_release(PageHandle page) {
 void* HostBackend::va_reserve(std::size_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (va_reserved_ + bytes > capacity_ + capacity_ / 8) return nullptr;
+    if (va_reserved_ + bytes > va_budget_) return nullptr;
     va_reserved_ += bytes;
   }
   // Over-reserved by a page, then trimmed to a page-aligned range.

@@ -44,8 +44,7 @@ class HostBackend : public Backend {
   bool fresh_pages_zeroed() const override { return true; }
   void* va_reserve(std::size_t bytes) override;
   void va_release(void* base, std::size_t bytes) override;
-  // Exactly what a range needs, and at most `capacity` and an eighth more in all:
-  // address space counts against RLIMIT_AS, which threads' stacks need too.
+  // Exactly what a range needs, and at most va_budget_ in all (see its note).
   std::size_t va_arena_bytes() const override { return 0; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
@@ -88,6 +87,12 @@ class HostBackend : public Backend {
   bool forked_ = false;
   std::unordered_map<std::uintptr_t, PageHandle> mapped_;  // page address -> page
   std::size_t va_reserved_ = 0;
+  // Address space the ranges may reserve. Ranges keep their extent while pages are
+  // cut out of their middle, so they need more than the capacity: four times it,
+  // or, under an RLIMIT_AS (`ulimit -v`, which threads' stacks need too), the
+  // capacity and an eighth (at 512 MiB the eighth alone failed a request with 71
+  // pages free).
+  std::size_t va_budget_;
   std::unordered_map<StreamId, SimStream> streams_;
   std::vector<WaitRecord> waits_;
 };
