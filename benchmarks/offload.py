@@ -4,9 +4,10 @@ at what cost.
     PYTHONPATH=. python benchmarks/offload.py                # CPU (~10 s on 2 cores)
     PYTHONPATH=. python benchmarks/offload.py --device cuda  # the same on a GPU
 
-The job is benchmarks/offload_job.py (a residual MLP, 12 blocks of 256x256, its own
-torch.Generator), run through wwrun's launcher (`wwrun --memory-limit M --offload
-MODE offload_job.py --batch B`), one intra-op thread.
+The job is tests/scripts/offload_job.py, the offload tests' own (a residual MLP, here
+12 blocks of 256x256, its own torch.Generator), run through wwrun's launcher (`wwrun
+--memory-limit M --offload MODE offload_job.py --width 256 --depth 12 --batch B
+--time`), one intra-op thread.
 
 (a) the largest batch that trains under --memory-limit with `--offload never` and
     with `--offload auto` (a batch trains when the job succeeds; found by doubling,
@@ -45,7 +46,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from wwrun import JobSpec, JobState, LaunchConfig, launch  # noqa: E402
 
-SCRIPT = str(HERE / "offload_job.py")
+SCRIPT = str(HERE.parent / "tests" / "scripts" / "offload_job.py")
 MiB = 2**20
 
 
@@ -57,7 +58,8 @@ def run(jobs: list[JobSpec], device: str, **options):
 
 
 def job(name: str, batch: int, steps: int) -> JobSpec:
-    return JobSpec(name=name, script=SCRIPT, args=["--batch", str(batch), "--steps", str(steps)])
+    return JobSpec(name=name, script=SCRIPT, args=["--width", "256", "--depth", "12", "--batch", str(batch),
+                                                  "--steps", str(steps), "--time"])
 
 
 def trains(batch: int, limit: int, mode: str, device: str) -> bool:

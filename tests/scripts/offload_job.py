@@ -5,9 +5,12 @@ every step's loss exactly (hex), so that runs with and without offload can be co
 --eval        a no_grad pass after every step
 --shapes      the batch alternates between --batch and half of it
 --thread      the training loop runs in a thread the script starts
+--time        last, the median step time after two warm-up steps (benchmarks/offload.py)
 """
 import argparse
+import statistics
 import threading
+import time
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -21,6 +24,7 @@ parser.add_argument("--checkpoint", action="store_true")
 parser.add_argument("--eval", action="store_true")
 parser.add_argument("--shapes", action="store_true")
 parser.add_argument("--thread", action="store_true")
+parser.add_argument("--time", action="store_true")
 args = parser.parse_args()
 
 
@@ -56,16 +60,21 @@ data = torch.randn(args.batch, args.width, generator=generator)
 
 
 def train():
+    times = []
     for step in range(args.steps):
+        began = time.perf_counter()
         x = data[: args.batch // 2] if args.shapes and step % 2 else data
         loss = model(x).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        times.append(time.perf_counter() - began)
         print(f"step {step} loss {loss.item().hex()}", flush=True)
         if args.eval:
             with torch.no_grad():
                 print(f"step {step} eval {model(data).square().mean().item().hex()}", flush=True)
+    if args.time:
+        print(f"step_s {statistics.median(times[2:] or times)}")
 
 
 if args.thread:
