@@ -982,7 +982,7 @@ class Engine:
         the group after it was through, or forward ended) is that group's backward
         need, which later passes keep until backward is through it (Plan.keeps)."""
         plan = job.backward
-        if plan is None or job.baseline is None or group >= len(plan.groups):
+        if plan is None or job.baseline is None:
             return
         _, peak = job.meter(True)
         job.iter_peak = max(job.iter_peak, peak)
