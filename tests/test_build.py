@@ -167,3 +167,26 @@ def test_cuda_home_falls_back_to_the_toolkit_when_nvcc_is_a_wrapper(tmp_path, mo
     monkeypatch.setenv("CUDA_HOME", str(wrapper_home))  # the user's word stands
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(wrapper_home))
     assert build.cuda_home() == (str(wrapper_home), "from the environment")
+
+
+def test_a_run_whose_allocator_cannot_be_built_stops_saying_why(tmp_path, extensions, monkeypatch, capsys):
+    """The allocator is the run's memory truth: a run never goes on silently on
+    PyTorch's instead (every figure and the isolation would differ from what was asked)."""
+    from wwrun import cli
+    from wwrun.memory import allocator
+
+    broken = tmp_path / "allocator"
+    broken.mkdir()
+    for name in allocator._CORE_SOURCES + allocator._CPU_SOURCES:
+        (broken / name).write_text("#error not today\n")
+    monkeypatch.setattr(allocator, "source_dir", lambda: broken)
+    monkeypatch.setattr(allocator, "_modules", {})
+    script = tmp_path / "job.py"
+    script.write_text("print('trained')\n")
+
+    code = cli.main(["--device", "cpu", "--quiet", "--log-dir", str(tmp_path / "logs"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "could not build wwrun's allocator" in err and "not today" in err, err
+    assert "using PyTorch's" not in err
+    assert not any("trained" in log.read_text() for log in tmp_path.rglob("stdout.log"))  # no job ran

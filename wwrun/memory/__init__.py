@@ -158,7 +158,14 @@ class Memory:
     def _install(self, limit) -> str:
         """wwrun's allocator for the run, or PyTorch's when it cannot be had (said
         once); the allocator that then serves the jobs, as `allocator.in_use`
-        names it ('waterwave', 'native', 'cudaMallocAsync'), for the report."""
+        names it ('waterwave', 'native', 'cudaMallocAsync'), for the report.
+
+        A build that fails stops the run (wwrun.build.BuildError): the allocator is
+        the run's memory truth and its isolation, and a run on PyTorch's instead
+        would differ from what the user asked for in every figure. PyTorch's serves
+        only where the user chose it (`backend:cudaMallocAsync`) or where it is
+        already in place (CUDA initialised before an in-process `launch`)."""
+        from wwrun.build import BuildError
         from wwrun.config import resolve_size
         from wwrun.memory import allocator
 
@@ -173,7 +180,9 @@ class Memory:
             else:
                 capacity = resolve_size(limit, self._device_total()) or host_capacity()
                 allocator.install_cpu_allocator(capacity)
-        except Exception as err:  # noqa: BLE001 - no compiler, CUDA already in use, ...
+        except BuildError:
+            raise
+        except Exception as err:  # noqa: BLE001 - CUDA already in use, ...
             self._note(f"memory-flow allocator unavailable, using PyTorch's: {err}")
         return allocator.in_use(self.device)
 
