@@ -202,7 +202,7 @@ def test_second_interrupt_ends_the_process_at_once(tmp_path):
     )
     _wait_for_line(proc, "ready")
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    time.sleep(1.0)  # a second press, not the first one delivered twice (runner.SAME_PRESS_S)
     proc.send_signal(signal.SIGINT)
     code = proc.wait(timeout=10)
     assert code == 130, proc.stderr.read()
@@ -784,22 +784,31 @@ def test_a_job_waiting_for_room_is_queued_with_its_reason_not_failed(tmp_path):
     assert "reason" not in result.to_dict()["jobs"][1]  # ended: it waits for nothing
 
 
-def test_ctrl_c_to_the_process_group_is_handled_by_the_launcher_alone(tmp_path):
-    # A terminal's Ctrl-C (and `timeout -s INT`) reaches every process of the group,
-    # forked DataLoader workers included: they must act as under `python`
-    # (KeyboardInterrupt), not run the launcher's handler again.
+@pytest.mark.parametrize("twice", [False, True], ids=["terminal", "timeout"])
+def test_ctrl_c_to_the_process_group_is_handled_by_the_launcher_alone(tmp_path, twice):
+    """A terminal's Ctrl-C reaches every process of the group, forked DataLoader
+    workers included: they must act as under `python` (KeyboardInterrupt), not run the
+    launcher's handler again; each job ends interrupted (exit 130), the one iterating
+    through a tqdm bar too, before its workers' deaths fail it. `timeout -s INT`
+    signals the launcher, then the group: one interrupt, not a forced stop."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wwrun", "--device", "cpu", "--log-dir", str(tmp_path),
-         str(SCRIPTS / "loader_forever.py")],
+        [sys.executable, "-m", "wwrun", "--device", "cpu", "--log-dir", str(tmp_path), "--grace-period", "30",
+         str(SCRIPTS / "loader_forever.py"), ":", str(SCRIPTS / "loader_forever.py"), "--tqdm"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         _wait_for_line(proc, "ready", timeout=120)
+        _wait_for_line(proc, "ready", timeout=120)
+        if twice:
+            proc.send_signal(signal.SIGINT)
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert err.count("interrupted: stopping every job") == 1, err
-    assert "did not stop within the grace period" not in out + err
+    assert "second interrupt" not in err and "did not stop within the grace period" not in out + err
+    assert not [line for line in err.splitlines() if line.startswith(("Traceback", "Exception ignored"))], err
+    jobs = json.loads((tmp_path / "latest" / "report.json").read_text())["jobs"]
+    assert [(job["state"], job["exit_code"], job["error"]) for job in jobs] == [("interrupted", 130, "interrupted")] * 2

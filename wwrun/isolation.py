@@ -313,7 +313,8 @@ def _in_lock_code(thread_id: int) -> bool:
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith("<frozen importlib") or code.co_filename == _LOGGING_FILE \
-                or code.co_filename.endswith(_TQDM_FILE) or code in _IMPORT_CODES \
+                or (code.co_filename.endswith(_TQDM_FILE) and code.co_name not in _TQDM_LOCK_FREE) \
+                or code in _IMPORT_CODES \
                 or (code.co_name == "start" and code.co_filename == _THREADING_FILE):
             return True
         frame = frame.f_back
@@ -325,6 +326,10 @@ _THREADING_FILE = threading.__file__
 # and tqdm's (taken for every bar of every job; an interrupted job left it held).
 _LOGGING_FILE = logging.__file__
 _TQDM_FILE = os.path.join(os.sep + "tqdm", "std.py")
+# A bar's iteration holds no lock while the loop it wraps runs (a whole epoch of a
+# DataLoader): an interrupt waiting for it to end came after the workers had died of
+# the same Ctrl-C. What it calls that takes the lock (update, close) is its own frame.
+_TQDM_LOCK_FREE = frozenset({"__iter__"})
 
 
 # An asynchronous exception can land in a finalizer (`__del__`, a weakref callback)

@@ -564,6 +564,8 @@ class Runner:
     # -- signals --------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
+        if self._interrupted_at is not None and time.monotonic() - self._interrupted_at < SAME_PRESS_S:
+            return  # one press, delivered twice: to the launcher and to its process group
         if self._interrupted_at is not None:
             self.display.note("second interrupt: stopping now")
             host.end_children(self._children_before)
@@ -578,6 +580,11 @@ class Runner:
                 job.interrupted = True
                 isolation.deliver_signal(job.context, signum)
 
+
+SAME_PRESS_S = 0.25
+"""A second interrupt this soon after the first is the same one: `timeout -s INT`
+signals the launcher and then its process group (the launcher in it). Only a later
+one forces the stop."""
 
 NO_ROOM_YET = "does not fit beside the running jobs yet: starts again once one of them ends"
 _ENGINE_WAITS = {

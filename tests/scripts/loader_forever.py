@@ -1,4 +1,6 @@
-"""Reads batches from 2 forked DataLoader workers until interrupted."""
+"""Reads batches from 2 forked DataLoader workers until interrupted; with --tqdm,
+through a progress bar (its iteration is on the stack the whole time)."""
+import sys
 import time
 
 import torch
@@ -14,6 +16,11 @@ class Slow(Dataset):
         return torch.full((4,), float(i))
 
 
-for number, batch in enumerate(DataLoader(Slow(), batch_size=4, num_workers=2, multiprocessing_context="fork")):
+loader = DataLoader(Slow(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+if "--tqdm" in sys.argv:
+    from tqdm import tqdm
+
+    loader = tqdm(loader)
+for number, batch in enumerate(loader):
     if number == 2:
         print("ready", flush=True)
