@@ -314,6 +314,49 @@ def test_an_interrupt_waits_for_the_logging_call_it_would_break(monkeypatch):
         logger.removeHandler(handler)
 
 
+def test_an_interrupt_not_raised_before_the_job_ended_is_dropped(tmp_path):
+    """A Ctrl-C set in a job's thread while it waits in C (a lock, a DataLoader's
+    queue) is raised when the wait returns: if the job's script ended meanwhile, it
+    would land in wwrun's cleanup of the job (a finalizer's "Exception ignored", the
+    thread ending unreported). Once the job is closed, it is dropped, and later ones
+    are not delivered."""
+    import signal
+    import threading
+    import time
+
+    from wwrun import isolation
+
+    ctx = isolation.JobContext(name="j", argv=["j"], environ={}, cwd=str(tmp_path), local_roots=[],
+                               stdout=sys.stdout, stderr=sys.stderr, stdout_fd=1, stderr_fd=2)
+    release, outcome = threading.Event(), []
+
+    def target():
+        ctx.thread_id = threading.get_ident()
+        try:
+            release.wait(60)
+            outcome.append("cleaned up")
+        except KeyboardInterrupt:
+            outcome.append("interrupted in cleanup")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not _waiting_in(thread, "wait"):
+        assert time.monotonic() < deadline, "the thread never waited"
+        time.sleep(0.01)
+    isolation.deliver_signal(ctx, signal.SIGINT)  # set, raised once the wait returns
+    isolation.close_interrupts(ctx)  # the job ended meanwhile
+    isolation.deliver_signal(ctx, signal.SIGINT)  # too late: nothing to interrupt
+    release.set()
+    thread.join(60)
+    assert outcome == ["cleaned up"]
+
+
+def _waiting_in(thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == function
+
+
 def test_rebinding_process_wide_names_stays_in_the_job(tmp_path):
     # sys.argv, os.environ, sys.path and sys.stdout rebound by two jobs at once.
     rendezvous = tmp_path / "rendezvous"

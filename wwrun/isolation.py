@@ -105,9 +105,9 @@ class JobContext:
     path: list[str] | None = None
     """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
     rebound: dict = field(default_factory=dict)
+    """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     load_lock: threading.RLock = field(default_factory=forksafe.RLock)
     """Guards `modules` while the job's threads load its private modules."""
-    """What the job assigned to `sys.stdin/stdout/stderr` (a Tee, a file), by name."""
     atexit_handlers: list = field(default_factory=list)
     signal_handlers: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
@@ -116,6 +116,10 @@ class JobContext:
     """Called with no arguments in each thread the job starts, before its target
     (the launcher binds the thread to the job's memory)."""
     thread_id: int | None = None
+    interrupts_open: bool = True
+    """False once the script and its exit are over (`close_interrupts`): an interrupt
+    then would land in wwrun's cleanup of the job, not in the job."""
+    interrupt_lock: threading.Lock = field(default_factory=forksafe.Lock)
     traceback: str | None = None
     """The uncaught exception's traceback, once the job failed with one."""
     writes: WriteWatch | None = None
@@ -248,23 +252,24 @@ def deliver_signal(job: JobContext, signum: int) -> None:
     ignored; otherwise the job gets KeyboardInterrupt.
     """
     handler = job.signal_handlers.get(signum, signal.SIG_DFL)
-    if handler == signal.SIG_IGN:
+    if handler == signal.SIG_IGN or not job.interrupts_open:
         return
     if not callable(handler) or handler is signal.default_int_handler:
-        interrupt(job.thread_id, KeyboardInterrupt)
+        interrupt(job.thread_id, KeyboardInterrupt, job)
         return
     previous, _local.job = current_job(), job
     try:
         handler(signum, None)
     except BaseException as exc:  # noqa: BLE001 - handed on to the job
-        interrupt(job.thread_id, type(exc))
+        interrupt(job.thread_id, type(exc), job)
     finally:
         _local.job = previous
 
 
-def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> bool:
+def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt, job: JobContext | None = None) -> bool:
     """Raise `exc` asynchronously in the thread, at its next Python bytecode outside
-    an import or logging, and not while it starts a thread (see `_in_lock_code`).
+    an import or logging, and not while it starts a thread (see `_in_lock_code`);
+    with `job`, only while its interrupts are open (`close_interrupts`).
 
     There it would wait: importlib's module locks and logging's locks are taken and
     let go by Python code, and an exception landing between the two leaves the lock
@@ -273,16 +278,35 @@ def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt) -> b
     Raised before such code's first bytecode, it holds nothing. A thread still inside
     after `_IMPORT_WAIT_S` gets it anyway.
     """
-    done = _interrupt_outside_locks(thread_id, exc)
+    done = _interrupt_outside_locks(thread_id, exc, job)
     if done is None:
-        threading.Thread(target=_interrupt_when_out, args=(thread_id, exc),
+        threading.Thread(target=_interrupt_when_out, args=(thread_id, exc, job),
                          name="wwrun-interrupt", daemon=True).start()
     return done is not False
 
 
-def _interrupt_outside_locks(thread_id: int, exc) -> bool | None:
-    """True once set; False if there is no such thread; None (nothing set) while it
-    runs lock-taking code."""
+def close_interrupts(job: JobContext) -> None:
+    """The job's script and its exit are over: no interrupt reaches its thread from
+    now on, and one set but not yet raised is dropped (it would land in wwrun's
+    cleanup: a finalizer's "Exception ignored", or the thread ending unreported)."""
+    with job.interrupt_lock:
+        job.interrupts_open = False
+        if job.thread_id is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(job.thread_id), None)
+
+
+def _interrupt_outside_locks(thread_id: int, exc, job: JobContext | None = None, force: bool = False) -> bool | None:
+    """True once set; False if there is no such thread, or the job's interrupts are
+    closed; None (nothing set) while it runs lock-taking code (unless `force`)."""
+    if job is None:
+        return _set_outside_locks(thread_id, exc, force)
+    with job.interrupt_lock:
+        return _set_outside_locks(thread_id, exc, force) if job.interrupts_open else False
+
+
+def _set_outside_locks(thread_id: int, exc, force: bool) -> bool | None:
+    if force:
+        return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) != 0
     if _in_lock_code(thread_id):
         return None
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -294,11 +318,11 @@ def _interrupt_outside_locks(thread_id: int, exc) -> bool | None:
     return True
 
 
-def _interrupt_when_out(thread_id: int, exc) -> None:
+def _interrupt_when_out(thread_id: int, exc, job: JobContext | None) -> None:
     deadline = time.monotonic() + _IMPORT_WAIT_S
-    while _interrupt_outside_locks(thread_id, exc) is None:
+    while _interrupt_outside_locks(thread_id, exc, job) is None:
         if time.monotonic() > deadline:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))
+            _interrupt_outside_locks(thread_id, exc, job, force=True)
             return
         time.sleep(0.02)
 

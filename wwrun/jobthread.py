@@ -48,6 +48,7 @@ def run_job(job, memory) -> tuple[int, str | None]:
         if code == 0:
             code, error = _outcome(exc, ctx)
     finally:
+        isolation.close_interrupts(ctx)  # what follows is wwrun's, not the job's
         for stream in (ctx.stdout, ctx.stderr):
             try:
                 stream.flush()
