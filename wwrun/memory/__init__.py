@@ -36,6 +36,9 @@ the machine refusing a thread and taking the whole process down."""
 
 HOST_HEADROOM_MIN = 512 << 20
 
+OUTLIVED_NOTE_BYTES = 2 << 20
+"""Memory held for no live job beyond this (a page) is said once (Memory._replan)."""
+
 
 def host_capacity() -> int:
     """Bytes the CPU allocator may hold for the run without --memory-limit: what the
@@ -146,6 +149,9 @@ class Memory:
         self._releases_lock = forksafe.Lock()
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
         self._closed = False
+        self.outlived_bytes = 0
+        """The most allocated bytes held for no live job at a job's end, beyond the
+        streams' fixed costs (`_replan`)."""
 
     # -- the run ------------------------------------------------------------------
     def _device_total(self) -> int:
@@ -333,6 +339,29 @@ class Memory:
             else:
                 allocator.cpu_set_expected_releases(names)
 
+    def _replan(self) -> None:
+        """At each job's end, the engine's budget is the limit less what the allocator
+        holds for no live job, measured (at least the streams' planned fixed costs):
+        blocks that outlived the job that made them stay, e.g. a cuBLAS workspace for a
+        thread's handle paired with a reused job stream (torch keeps one per pair), a
+        library's cache, a tensor a script left in a process-wide object. Planned as
+        free, they made the next jobs' plans overrun the device."""
+        if self.engine is None or self.limit is None or self.allocator != "waterwave" or self._closed:
+            return
+        from wwrun.config import format_size
+        from wwrun.memory import allocator
+
+        stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
+        live = sum(figures["allocated_bytes"]["current"] for job, figures in stats["jobs"].items()
+                   if job in self._sessions)
+        held = stats["device"]["allocated_bytes"]["current"] - live
+        outlived = max(0, held - self.fixed_bytes)
+        if outlived > OUTLIVED_NOTE_BYTES >= self.outlived_bytes:  # said once
+            self._note(f"{format_size(outlived)} allocated by ended jobs is still held (a library's cache, "
+                       "a tensor kept in a process-wide object): the jobs plan within the rest")
+        self.outlived_bytes = max(self.outlived_bytes, outlived)
+        self.engine.set_capacity(max(1, self.limit - self.fixed_bytes - outlived))
+
     # -- figures --------------------------------------------------------------------
     def job_figures(self, name: str) -> dict | None:
         """The allocator's allocated_bytes figures of a job (current, peak, ...)."""
@@ -373,6 +402,7 @@ class Memory:
             report["stream_fixed_bytes"] = self.fixed_bytes
         if self.engine is not None:
             report.update(self.engine.run_report())
+            report["outlived_bytes"] = self.outlived_bytes
         if self.allocator == "waterwave":
             from wwrun.memory import allocator
 
@@ -459,4 +489,5 @@ class JobMemory:
         # job's segments, the next job's first large request found the limit reached
         # and nobody left to wait for ("no free memory left" with 2 MiB reserved).
         if current and memory.engine is not None:
+            memory._replan()
             memory.engine.job_finished(self.name)

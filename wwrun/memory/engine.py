@@ -255,6 +255,7 @@ class Engine:
         if nodegroups is not None and nodegroups < 1:
             raise ValueError(f"nodegroups must be at least 1, got {nodegroups}")
         self.capacity = capacity_bytes
+        self.limit_bytes = capacity_bytes  # for the report: the budget planned at the start (set_capacity)
         self.policy = policy
         self.gating = policy == "waterwave"
         self.nodegroups = nodegroups
@@ -289,6 +290,17 @@ class Engine:
         self.state_listeners: list[Callable[[str, str], None]] = []
 
     # ---- the launcher's contract ------------------------------------------------------
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """The budget the jobs may plan for is now `capacity_bytes` (memory held for
+        no live job changed, measured by the launcher's Memory at each job's end)."""
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        with self._cond:
+            self.capacity = capacity_bytes
+            if self.gating:
+                self.scheduler.capacity = capacity_bytes
+            self._cond.notify_all()  # more room, or a waiter that now never fits: look again
+
     def job_started(self, name: str, priority: int = 0) -> None:
         """In the job's thread, before its script runs; waits while the job does not
         fit beside the running ones (FIFO or LAS order, then priority)."""
@@ -373,17 +385,17 @@ class Engine:
         }
 
     def run_report(self) -> dict:
-        report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.capacity}
+        report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.limit_bytes}
         if self._offloader is not None:  # the host pool: the most it held, and its limit
             report.update(offload_host_peak_bytes=self._offloader.pool.peak,
                           offload_limit_bytes=self._offloader.pool.limit)
         return report
 
     def write_trace(self, path: str) -> None:
-        self.timeline.write_trace(path, self.capacity)
+        self.timeline.write_trace(path, self.limit_bytes)
 
     def write_memory_plot(self, path: str, run_id: str | None = None) -> None:
-        self.timeline.write_memory_plot(path, self.capacity, run_id=run_id, device=self.device)
+        self.timeline.write_memory_plot(path, self.limit_bytes, run_id=run_id, device=self.device)
 
     def explain(self) -> str:
         lines = []
