@@ -265,6 +265,93 @@ def test_a_swapped_draw_waiting_for_memory_does_not_stall_another_jobs_draws():
     assert torch.equal(b, torch.rand(4, generator=torch.Generator().manual_seed(1)))
 
 
+@pytest.mark.parametrize("first_to_wait_resumes_first", [True, False])
+def test_swapped_draws_waiting_for_memory_draw_as_alone_whichever_resumes_first(first_to_wait_resumes_first):
+    # Note [Swapped draws]: job A's swapped draw waits for memory after it has drawn
+    # (native_dropout: the mask, then the output), then job B's waits before it
+    # draws (rand in a dispatch mode). Job C's frees decide who resumes first: C
+    # first frees room for the smaller request only, and the rest once that job is
+    # done. Each job must draw, then and after, what it draws alone, and torch's
+    # generator must be left as it was.
+    from wwrun.memory import allocator as wwalloc
+
+    mib, floats_per_mib = 1 << 20, (1 << 20) // 4
+    a_mib, b_mib = (16, 48) if first_to_wait_resumes_first else (48, 16)
+    first_room_mib, spare_mib, capacity_mib = 24, 12, 160  # spare: below either request
+    a_ready, go_a, go_b = threading.Event(), threading.Event(), threading.Event()
+    done = {"A": threading.Event(), "B": threading.Event()}
+    first, second = ("A", "B") if first_to_wait_resumes_first else ("B", "A")
+
+    def draws_a():
+        torch.manual_seed(1)
+        x = torch.ones(a_mib * floats_per_mib)
+        a_ready.set()
+        assert go_a.wait(60)
+        output, mask = torch.native_dropout(x, 0.5, True)
+        # rand: the job's generator must have advanced past the mask.
+        drawn = mask[:256].clone(), mask[-256:].clone(), torch.rand(4)
+        done["A"].set()
+        return drawn
+
+    def draws_b():
+        torch.manual_seed(2)
+        assert go_b.wait(60)
+        with _Passthrough():
+            head = torch.rand(b_mib * floats_per_mib)[:8].clone()
+        drawn = head, torch.rand(4)
+        done["B"].set()
+        return drawn
+
+    def as_job(name, draws):
+        def run():
+            wwalloc.mark_job_thread(name)
+            try:
+                return draws()
+            finally:
+                wwalloc.unmark_job_thread()
+        return run
+
+    def waits_reach(count):
+        deadline = time.monotonic() + 60
+        while wwalloc.cpu_stats()["device"]["num_release_waits"] < count:
+            assert time.monotonic() < deadline, "a job never waited for memory"
+            time.sleep(0.005)
+
+    def job_c():
+        assert a_ready.wait(60)
+        # Room for A's mask and `spare` more: A's next block and B's request wait.
+        held_mib = capacity_mib - 2 * a_mib - spare_mib
+        held = {"room": torch.empty(first_room_mib * mib, dtype=torch.uint8),
+                "rest": torch.empty((held_mib - first_room_mib) * mib, dtype=torch.uint8)}
+        try:
+            waits = wwalloc.cpu_stats()["device"]["num_release_waits"]
+            go_a.set()
+            waits_reach(waits + 1)
+            go_b.set()
+            waits_reach(waits + 2)
+            del held["room"]  # spare + room: the smaller request fits, the larger does not
+            assert done[first].wait(60), f"job {first} did not resume"
+            assert not done[second].is_set(), f"job {second} resumed first"
+        finally:
+            held.clear()  # a failure here must not leave the other jobs waiting
+
+    go_a.set()
+    go_b.set()
+    solo_a, solo_b = in_job(draws_a), in_job(draws_b)
+    for event in (a_ready, go_a, go_b, *done.values()):
+        event.clear()
+    process_state = torch.default_generator.get_state()
+    wwalloc.install_cpu_allocator(capacity_mib * mib)
+    try:
+        wwalloc.cpu_set_expected_releases(["C"], timeout_s=30.0)
+        a, b, _ = in_jobs(as_job("A", draws_a), as_job("B", draws_b), as_job("C", job_c))
+    finally:
+        wwalloc.uninstall_cpu_allocator()
+    assert all(torch.equal(got, alone) for got, alone in zip(a, solo_a)), "job A drew other draws"
+    assert all(torch.equal(got, alone) for got, alone in zip(b, solo_b)), "job B drew other draws"
+    assert torch.equal(torch.default_generator.get_state(), process_state)
+
+
 def checkpointed_training(seed: int, backward=lambda loss: loss.backward(), before_backward=lambda: None,
                           device: str = "cpu"):
     """A few steps of a block with dropout under torch.utils.checkpoint: the dropout

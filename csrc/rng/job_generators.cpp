@@ -190,12 +190,16 @@ void substitute_generator(const c10::OperatorHandle& op, c10::DispatchKeySet key
 // asynchronous; the philox seed and offset are read on the host at launch.
 //
 // The call may allocate, and an allocation may wait for other jobs' frees (rule
-// f): the lock is let go for that wait (HeldSwap, csrc/common/wait_release.h), or
-// every other job's dropout would stall behind it, and a job whose frees the
-// waiter needs could not free. This stays exact: every swap saves the default
-// generator's state and puts it back, so the waiter's state is there again, as it
-// left it, when it has the lock back. It never blocks on the lock holding the GIL:
-// a call inside a TorchDispatchMode runs Python while holding the lock.
+// f): the lock is let go for that wait (SwappedCall::release), or every other
+// job's dropout would stall behind it, and a job whose frees the waiter needs
+// could not free. Whoever takes the lock next must find the process's state in
+// the default generator, so the job's state goes out with the lock and comes back
+// in with it: saved into the job's generator as the call has left it (an op may
+// have drawn before it allocates: native_dropout's mask before its output, an
+// attention kernel's philox offset before its workspace), and the process's put
+// back. Two jobs' waits then resume in any order, each with its own state.
+// It never blocks on the lock holding the GIL: a call inside a TorchDispatchMode
+// runs Python while holding the lock.
 std::mutex swap_lock;
 
 void lock_swap() {
@@ -209,21 +213,93 @@ void lock_swap() {
   }
 }
 
-// swap_lock as one thread holds it across one call.
-struct HeldSwap final : wwrun::WaitRelease {
-  const std::thread::id owner = std::this_thread::get_id();
-  bool held = true;
-  void release() override {
-    if (held && std::this_thread::get_id() == owner) {
-      held = false;
-      swap_lock.unlock();
-    }
+// A generator's whole state, copied without a tensor: get_state() allocates one,
+// and release() runs inside the allocator, under its lock.
+struct GeneratorState {
+  std::optional<at::mt19937> engine;  // CPU: the engine and the second of a pair of normal samples
+  std::optional<float> next_float_normal;
+  std::optional<double> next_double_normal;
+  std::uint64_t seed = 0, offset = 0;  // CUDA: philox (what get_state holds)
+};
+
+GeneratorState read_state(at::Generator& generator) {
+  GeneratorState state;
+  if (generator.device().is_cpu()) {
+    auto* cpu = at::check_generator<at::CPUGeneratorImpl>(generator);
+    state.engine = cpu->engine();
+    state.next_float_normal = cpu->next_float_normal_sample();
+    state.next_double_normal = cpu->next_double_normal_sample();
+  } else {
+    state.seed = generator.current_seed();
+    state.offset = generator.get_offset();
   }
-  void reacquire() override {  // called without the GIL (python_wait_hooks.h)
-    if (!held && std::this_thread::get_id() == owner) {
-      swap_lock.lock();
-      held = true;
+  return state;
+}
+
+void write_state(at::Generator& generator, const GeneratorState& state) {
+  if (generator.device().is_cpu()) {
+    auto* cpu = at::check_generator<at::CPUGeneratorImpl>(generator);
+    cpu->set_engine(*state.engine);
+    cpu->set_next_float_normal_sample(state.next_float_normal);
+    cpu->set_next_double_normal_sample(state.next_double_normal);
+  } else {
+    generator.set_current_seed(state.seed);  // resets the offset: set it after
+    generator.set_offset(state.offset);
+  }
+}
+
+// One thread's swapped call. While `in`, the thread holds swap_lock and the job's
+// state is in the default generator (`shared`), the process's kept in `process`.
+struct SwappedCall final : wwrun::WaitRelease {
+  SwappedCall(at::Generator shared, at::Generator mine)
+      : shared(std::move(shared)), mine(std::move(mine)) {}
+
+  void swap_in() {
+    lock_swap();
+    std::scoped_lock both(shared.mutex(), mine.mutex());
+    process = read_state(shared);
+    write_state(shared, read_state(mine));
+    in = true;
+  }
+
+  void swap_out() {
+    {
+      std::scoped_lock both(shared.mutex(), mine.mutex());
+      put_back();
     }
+    in = false;
+    swap_lock.unlock();
+  }
+
+  void release() override {
+    if (!in || std::this_thread::get_id() != owner) return;
+    {
+      // A kernel may allocate while it holds the generator's mutex (CPU multinomial
+      // does), in the middle of a draw: then the state must stay, and so the lock.
+      // try_lock fails there (glibc's, on a mutex this thread holds) and never
+      // blocks; it fails too while another thread holds one, briefly: this wait
+      // then keeps the lock, as every wait did before the lock was let go.
+      std::unique_lock a(shared.mutex(), std::defer_lock), b(mine.mutex(), std::defer_lock);
+      if (std::try_lock(a, b) != -1) return;
+      put_back();
+    }
+    in = false;
+    swap_lock.unlock();
+  }
+
+  void reacquire() override {  // called without the GIL (python_wait_hooks.h)
+    if (!in && std::this_thread::get_id() == owner) swap_in();
+  }
+
+  const std::thread::id owner = std::this_thread::get_id();
+  at::Generator shared, mine;
+  GeneratorState process;
+  bool in = false;
+
+ private:
+  void put_back() {  // with both generators' mutexes held
+    write_state(mine, read_state(shared));
+    write_state(shared, process);
   }
 };
 
@@ -233,36 +309,23 @@ void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     const at::Device device = op_device(op.schema(), *stack);
     const at::Generator* found = job_generator(device);
     if (found != nullptr) {
-      std::optional<at::Generator> mine = *found;  // a reference of our own for the call
-      lock_swap();
-      auto held = std::make_shared<HeldSwap>();
-      c10::DebugInfoGuard section(wwrun::wait_release_kind(), held);
-      at::Generator shared = default_generator(device);
-      at::Tensor saved;
-      {
-        std::scoped_lock both(shared.mutex(), mine->mutex());
-        saved = shared.get_state();
-        shared.set_state(mine->get_state());
-      }
-      // Inner ops draw from the shared generator too, not from `mine` directly.
+      auto call = std::make_shared<SwappedCall>(default_generator(device), *found);
+      c10::DebugInfoGuard section(wwrun::wait_release_kind(), call);
+      call->swap_in();
+      // Inner ops draw from the shared generator too, not from the job's directly.
       swapping = true;
-      auto restore = [&] {
+      auto finish = [&] {
         swapping = false;
-        held->reacquire();  // already held unless a wait's hook failed to take it back
-        {
-          std::scoped_lock both(shared.mutex(), mine->mutex());
-          mine->set_state(shared.get_state());
-          shared.set_state(saved);
-        }
-        held->release();
+        call->reacquire();  // in already, unless a wait's hook failed to take it back
+        call->swap_out();
       };
       try {
         op.redispatchBoxed(keys & kBelowJobKey, stack);
       } catch (...) {
-        restore();
+        finish();
         throw;
       }
-      restore();
+      finish();
       return;
     }
   }
@@ -271,8 +334,8 @@ void swap_default_state(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 
 // The overloads without a generator reach a generator-taking op through the
 // dispatcher, where substitution works, except inside a TorchDispatchMode: swap
-// only there (measured on the CPU: the swap adds ~8 us to `rand`, substitution
-// ~0.4 us; benchmarks/rng.py).
+// only there (measured on the CPU: the swap adds ~0.9 us to `rand`, substitution
+// ~0.25 us; benchmarks/rng.py).
 void swap_in_modes(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                    torch::jit::Stack* stack) {
   if (keys.has(c10::DispatchKey::Python)) {
