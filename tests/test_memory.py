@@ -410,6 +410,16 @@ def job(name, keep):
 def run(name, keep):
     t = threading.Thread(target=job, args=(name, keep)); t.start(); t.join()
     return memory.engine.capacity, memory.engine.scheduler.capacity
+def train_model():
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(64, 1024)).sum().backward(); opt.step()
+def model_job():  # a model the engine holds until the job ends: let go then, not left over
+    with memory.session("model"):
+        train_model()
+t = threading.Thread(target=model_job); t.start(); t.join()
+assert memory.engine.capacity == 64 * MiB, memory.engine.capacity
 figures = [run("small", 1), run("leaky", 24)]
 kept.clear()
 figures.append(run("after", 1))

@@ -252,6 +252,8 @@ class Memory:
         )
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
+            if self.limit is not None:
+                engine.capacity_source = self._budget_now
         return engine
 
     @staticmethod
@@ -339,28 +341,29 @@ class Memory:
             else:
                 allocator.cpu_set_expected_releases(names)
 
-    def _replan(self) -> None:
-        """At each job's end, the engine's budget is the limit less what the allocator
-        holds for no live job, measured (at least the streams' planned fixed costs):
-        blocks that outlived the job that made them stay, e.g. a cuBLAS workspace for a
-        thread's handle paired with a reused job stream (torch keeps one per pair), a
-        library's cache, a tensor a script left in a process-wide object. Planned as
-        free, they made the next jobs' plans overrun the device."""
-        if self.engine is None or self.limit is None or self.allocator != "waterwave" or self._closed:
-            return
+    def _budget_now(self) -> int | None:
+        """The engine's budget as a job ends (its `capacity_source`): the limit less
+        what the allocator holds for no live job, measured (at least the streams'
+        planned fixed costs). Blocks that outlived the job that made them stay, e.g. a
+        cuBLAS workspace for a thread's handle paired with a reused job stream (torch
+        keeps one per pair), a library's cache, a tensor a script left in a
+        process-wide object. Planned as free, they made the next jobs' plans overrun
+        the device."""
+        if self._closed:
+            return None
         from wwrun.config import format_size
         from wwrun.memory import allocator
 
         stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
-        live = sum(figures["allocated_bytes"]["current"] for job, figures in stats["jobs"].items()
-                   if job in self._sessions)
-        held = stats["device"]["allocated_bytes"]["current"] - live
-        outlived = max(0, held - self.fixed_bytes)
+        # Ended jobs' blocks only: the default owner's (the streams' warm-up
+        # workspaces, planned as fixed; a thread not yet marked) are not a job's leftovers.
+        outlived = sum(figures["allocated_bytes"]["current"] for job, figures in stats["jobs"].items()
+                       if job != "default" and job not in self._sessions)
         if outlived > OUTLIVED_NOTE_BYTES >= self.outlived_bytes:  # said once
             self._note(f"{format_size(outlived)} allocated by ended jobs is still held (a library's cache, "
                        "a tensor kept in a process-wide object): the jobs plan within the rest")
         self.outlived_bytes = max(self.outlived_bytes, outlived)
-        self.engine.set_capacity(max(1, self.limit - self.fixed_bytes - outlived))
+        return max(1, self.limit - self.fixed_bytes - outlived)
 
     # -- figures --------------------------------------------------------------------
     def job_figures(self, name: str) -> dict | None:
@@ -489,5 +492,4 @@ class JobMemory:
         # job's segments, the next job's first large request found the limit reached
         # and nobody left to wait for ("no free memory left" with 2 MiB reserved).
         if current and memory.engine is not None:
-            memory._replan()
             memory.engine.job_finished(self.name)

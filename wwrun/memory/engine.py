@@ -288,11 +288,14 @@ class Engine:
         # State listeners hear (job, 'queued' | 'waiting' | 'running') as a job waits
         # for admission, its next NodeGroup waits for memory, or it goes on.
         self.state_listeners: list[Callable[[str, str], None]] = []
+        # Called (under the lock) as a job ends, once its models are let go: the budget
+        # from now on, measured (memory held for no live job stays out of it), or None.
+        self.capacity_source: Callable[[], int | None] | None = None
 
     # ---- the launcher's contract ------------------------------------------------------
     def set_capacity(self, capacity_bytes: int) -> None:
         """The budget the jobs may plan for is now `capacity_bytes` (memory held for
-        no live job changed, measured by the launcher's Memory at each job's end)."""
+        no live job changed: `capacity_source`)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         with self._cond:
@@ -346,6 +349,9 @@ class Engine:
             self._set_persistent(job, 0)
             job.discovering = False
             self.scheduler.finish(name)
+            capacity = self.capacity_source() if self.capacity_source is not None else None
+            if capacity is not None:
+                self.set_capacity(capacity)
             self._install_global_hooks()
             self._cond.notify_all()
             for listener in self.release_listeners:  # nothing more to free: rule f stops waiting for it
