@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -267,6 +268,20 @@ def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
     assert check.verdict == doctor.PASS and check.figures["install"] == "not installed"
     assert "pip install --no-index --no-build-isolation --no-deps -e ." in check.advice
     assert check.advice in doctor.line(check, 12)
+    lacking = doctor.offline_install_lacks(doctor._setuptools_version(), importlib.util.find_spec("wheel") is not None)
+    assert check.figures["offline_install"] == (lacking or "ready")
+    assert ("needs setuptools>=70.1, or wheel" in check.advice) == bool(lacking)
+
+
+@pytest.mark.parametrize("setuptools, wheel, lacks", [
+    ("69.5.1", False, "setuptools 69.5.1 is older than 70.1 and wheel is not installed"),
+    ("69.5.1", True, None),   # wheel's bdist_wheel
+    ("70.1.0", False, None),  # its own bdist_wheel
+    ("80.9", False, None),
+    (None, True, "setuptools is not installed"),
+])
+def test_the_offline_install_needs_setuptools_70_1_or_wheel(setuptools, wheel, lacks):
+    assert doctor.offline_install_lacks(setuptools, wheel) == lacks
 
 
 def test_an_interrupted_doctor_ends_the_step_it_was_running(tmp_path):

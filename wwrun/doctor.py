@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -47,8 +48,13 @@ FULL_LIMIT_S = 25 * 60
 _CHECKOUT = Path(__file__).resolve().parents[1]
 OFFLINE_INSTALL = "pip install --no-index --no-build-isolation --no-deps -e ."
 """The install that needs no package index (a GPU machine without network): torch and
-wwrun's other dependencies are there already, and the setuptools torch brought
-builds it. Without any install, `python -m wwrun` from the checkout works too."""
+wwrun's other dependencies are there already, and the setuptools at hand builds it
+(OFFLINE_INSTALL_NEEDS). Without any install, `python -m wwrun` from the checkout
+works too."""
+OFFLINE_INSTALL_NEEDS = "setuptools>=70.1, or wheel"
+"""What OFFLINE_INSTALL needs besides torch: without build isolation pip builds the
+editable wheel with the setuptools installed, whose `bdist_wheel` command is its own
+from 70.1 and the `wheel` package's before (else: "invalid command 'bdist_wheel'")."""
 
 
 @dataclasses.dataclass
@@ -166,11 +172,36 @@ def check_environment(device: str) -> Check:
     detail = (f"{device} ({name}), torch {torch.__version__}, CUDA {cuda}, "
               f"Python {platform.python_version()}, {os.cpu_count()} CPU cores")
     install = _install_state()
+    figures = {**_versions(device), "install": install}
     advice = ""
     if install == "not installed":  # run from a checkout: fine, but no `wwrun` command
         detail += f"; wwrun not installed, run from {_CHECKOUT}"
         advice = f"to install it without a package index: cd {_CHECKOUT} && {OFFLINE_INSTALL}"
-    return Check("environment", PASS, detail, advice, figures={**_versions(device), "install": install})
+        lacking = offline_install_lacks(_setuptools_version(), importlib.util.find_spec("wheel") is not None)
+        if lacking:  # the advice would fail with "invalid command 'bdist_wheel'"
+            advice += f" (needs {OFFLINE_INSTALL_NEEDS}: {lacking}; until then, python -m wwrun)"
+        figures["offline_install"] = lacking or "ready"
+    return Check("environment", PASS, detail, advice, figures=figures)
+
+
+def _setuptools_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def offline_install_lacks(setuptools: str | None, wheel: bool) -> str | None:
+    """What OFFLINE_INSTALL lacks in an environment with this setuptools version
+    (None: not installed) and with or without the `wheel` package; None if nothing."""
+    if setuptools is None:
+        return "setuptools is not installed"
+    release = tuple(int(part) for part in re.findall(r"\d+", setuptools)[:2])
+    if release >= (70, 1) or wheel:
+        return None
+    return f"setuptools {setuptools} is older than 70.1 and wheel is not installed"
 
 
 def _install_state() -> str:
@@ -646,8 +677,8 @@ def _terminated(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="wwrun doctor", description=__doc__.splitlines()[0],
-                     epilog=f"Offline (no package index): {OFFLINE_INSTALL}, or `python -m wwrun doctor` "
-                            "from the checkout without installing.")
+                     epilog=f"Offline (no package index): {OFFLINE_INSTALL} (needs {OFFLINE_INSTALL_NEEDS}), "
+                            "or `python -m wwrun doctor` from the checkout without installing.")
     parser.add_argument("--full", action="store_true", help="the whole proof, one subprocess per step")
     parser.add_argument("--out", type=Path, metavar="DIR", help="folder for --full's doctor.json and every artefact "
                         "of its steps (default: a new folder in the system's temporary folder)")
