@@ -69,7 +69,11 @@ class Check:
     figures: dict | list | None = None
     allocator: str | None = None
     """The allocator the check measured ('waterwave', 'native', 'cudaMallocAsync');
-    None where it measured none."""
+    MIXED for a test run whose tests use different ones (each asserts its own); None
+    where it measured none."""
+
+
+MIXED = "mixed"
 
 
 # --- what a job of the memory-flow and sweep checks runs -----------------------------
@@ -364,7 +368,8 @@ class Step:
     allocator: str | None = "waterwave"
     """The allocator the step measures. A step whose figures name it (`allocator`)
     fails when they name another; pytest steps name it from their tests, which
-    assert it themselves; None: the step measures no allocator."""
+    assert it themselves (MIXED: tests on different allocators); None: the step
+    measures no allocator."""
     estimate_s: tuple[float | None, float] = (60, 60)
     """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
     CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
@@ -431,9 +436,12 @@ def clean_exit(device: str, folder: str) -> int:
 
 
 STEPS: list[Step] = [
-    Step("gpu-tests", "the GPU tests (pytest -m gpu)",
+    # test_allocator_cuda.py's tests each run a child on wwrun's allocator, as do the
+    # fresh_process tests; the rest (engine, offload, kernels, rng) run in pytest's
+    # process on PyTorch's native allocator, and one on cudaMallocAsync.
+    Step("gpu-tests", "the GPU tests (pytest -m gpu): wwrun's allocator and PyTorch's, each test asserting its own",
          _cuda_only(lambda d, t, o: _pytest("-m", "gpu", "--junitxml", str(o / "gpu-tests.xml"))), True,
-         estimate_s=(None, 240)),
+         allocator=MIXED, estimate_s=(None, 240)),
     Step("allocator", "allocator vs PyTorch's native and cudaMallocAsync allocators; host pairs/s",
          lambda d, t, o: _bench("allocator.py", "--repeats", "10", "--out", str(o / "allocator_gpu.json")), True,
          estimate_s=(20, 150),
