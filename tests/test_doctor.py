@@ -27,8 +27,9 @@ def test_quick_checks_the_cpu_path_and_says_what_it_skipped(tmp_path):
     lines = done.stdout.splitlines()
     for name in ("environment", "allocator build", "triton kernels", "memory flow"):
         assert any(line.startswith(f"✓ {name}") for line in lines), done.stdout
+    assert any(line.startswith("– headroom") and "does not apply on the CPU" in line for line in lines)
     assert any(line.startswith("– cuda") for line in lines)
-    assert lines[-1] == "4 passed, 0 failed, 1 skipped"
+    assert lines[-1] == "4 passed, 0 failed, 2 skipped"
 
 
 def test_memory_flow_keeps_two_jobs_under_a_limit_that_holds_one():
@@ -241,9 +242,10 @@ def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
 
 
 def test_steps_without_a_cpu_form_are_skipped_on_the_cpu():
-    gpu_only = [s for s in doctor.STEPS if s.name in ("gpu-tests", "cudnn-benchmark")]
+    gpu_only = [s for s in doctor.STEPS if s.name in ("gpu-tests", "cudnn-benchmark", "headroom")]
     checks = list(doctor.full("cpu", gpu_only))
-    assert [c.verdict for c in checks] == [doctor.SKIP, doctor.SKIP]
+    assert [c.verdict for c in checks] == [doctor.SKIP] * 3
+    assert all(c.detail.startswith("does not apply on cpu") for c in checks)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -327,7 +327,33 @@ def check_memory_flow(device: str) -> Check:
     return Check("memory flow", PASS, detail, figures=figures_out, allocator=used)
 
 
-QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_kernels, check_memory_flow]
+def check_headroom(device: str) -> Check:
+    """What the device gives outside the allocator, measured as a run measures it
+    (`headroom`, in a child: it initialises CUDA)."""
+    if not device.startswith("cuda"):
+        return Check("headroom", SKIP, "does not apply on the CPU: no driver, library handles or kernels "
+                     "take memory beside the allocator there")
+    with tempfile.TemporaryDirectory(prefix="wwrun-doctor-") as tmp:
+        done = subprocess.run(_in_child("headroom")(device, Path(tmp), Path(tmp)), capture_output=True,
+                              text=True, timeout=300, env=_child_env(device), stdin=subprocess.DEVNULL)
+    figures = _last_json(done.stdout)
+    if done.returncode != 0 or not isinstance(figures, dict):
+        return Check("headroom", FAIL, _failure(done), "rerun it alone: wwrun doctor --full --only headroom")
+    used = figures.get("allocator")
+    if used != "waterwave":
+        return Check("headroom", FAIL, f"measured beside the {used!r} allocator, not wwrun's",
+                     "the allocator build above says why", figures=figures, allocator=used)
+    return Check("headroom", PASS, _headroom_detail(figures), figures=figures, allocator=used)
+
+
+def _headroom_detail(figures: dict) -> str:
+    return (f"outside the allocator {_size(figures['process_bytes'])} at the first warm-up, "
+            f"{_size(figures['per_thread_bytes'])} per further thread; each job stream's cuBLAS workspaces "
+            f"{_size(figures['stream_fixed_bytes'])}; kept back for one job: {_size(figures['kept_bytes'])}")
+
+
+QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_headroom, check_kernels,
+                                       check_memory_flow]
 
 
 def _title(check: Callable) -> str:
@@ -420,6 +446,21 @@ def sweep(device: str, folder: str, jobs: int = 40) -> int:
     return 0 if succeeded == jobs and foreign == 0 else 1
 
 
+def headroom(device: str, folder: str) -> int:
+    """`allocator.measure_headroom` as a run calls it (wwrun's allocator installed
+    first, then its warm-ups: cuBLAS, cuDNN and a Triton kernel in this thread and in
+    more threads at once), and what `device_capacity` keeps back from the device for
+    one job at once."""
+    from wwrun.memory import allocator
+
+    allocator.install()
+    measured = allocator.measure_headroom()
+    print(json.dumps({**measured._asdict(), "kept_bytes": allocator.capacity_headroom(measured),
+                      "unforeseen_bytes": allocator.CAPACITY_HEADROOM_BYTES,
+                      "allocator": allocator.in_use(device)}))
+    return 0
+
+
 _TEARDOWN_NOISE = ("terminate called", "CUDA error", "Segmentation fault", "Exception ignored")
 
 
@@ -458,6 +499,9 @@ STEPS: list[Step] = [
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
          _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", file="test_allocator_cuda.py")), True,
          estimate_s=(None, 30)),
+    Step("headroom", "device memory outside the allocator (cuBLAS, cuDNN, Triton warm-ups in 3 threads)",
+         _cuda_only(_in_child("headroom")), estimate_s=(None, 30),
+         shown=("process_bytes", "per_thread_bytes", "stream_fixed_bytes", "kept_bytes")),
     Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _in_child("sweep"),
          estimate_s=(30, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
     Step("scrub", "bytes a job freed read as zero by the next owner",
@@ -513,7 +557,7 @@ def run_step(step: Step, device: str, limit_s: float, out: Path) -> Check:
     with tempfile.TemporaryDirectory(prefix=f"wwrun-doctor-{step.name}-") as tmp:
         command = step.command(device, Path(tmp), out)
         if command is None:
-            return Check(step.name, SKIP, f"no form on {device}: {step.what}")
+            return Check(step.name, SKIP, f"does not apply on {device}: {step.what}")
         start = time.monotonic()
         # Its own session, so that a hang is ended with everything the step started.
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
