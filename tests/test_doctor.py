@@ -271,6 +271,16 @@ def test_out_onto_a_file_is_refused(tmp_path):
     assert done.returncode == 2 and "not a folder" in done.stderr
 
 
+def test_out_holding_an_earlier_run_s_json_is_refused_and_points_at_resume(tmp_path):
+    """Writing over it would lose its steps; adding to it is --resume's part."""
+    earlier = '{"steps": [{"name": "waterwave", "verdict": "pass"}]}'
+    (tmp_path / "doctor.json").write_text(earlier)
+    done = wwrun("doctor", "--full", "--only", "clean-exit", "--out", str(tmp_path))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"--resume {tmp_path}" in done.stderr and "Traceback" not in done.stderr
+    assert (tmp_path / "doctor.json").read_text() == earlier
+
+
 def test_run_from_a_checkout_the_doctor_gives_the_offline_install(monkeypatch):
     monkeypatch.setattr(doctor, "_install_state", lambda: "not installed")
     check = doctor.check_environment("cpu")

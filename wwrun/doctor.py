@@ -733,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
                             "or `python -m wwrun doctor` from the checkout without installing.")
     parser.add_argument("--full", action="store_true", help="the whole proof, one subprocess per step")
     parser.add_argument("--out", type=Path, metavar="DIR", help="folder for --full's doctor.json and every artefact "
-                        "of its steps (default: a new folder in the system's temporary folder)")
+                        "of its steps (default: a new folder in the system's temporary folder); one that "
+                        "holds a doctor.json already is refused: go on with it with --resume DIR")
     parser.add_argument("--only", choices=[s.name for s in STEPS], help="with --full: run this step alone")
     parser.add_argument("--budget", type=_seconds, metavar="SECONDS",
                         help="with --full: run the steps that fit in SECONDS (by their measured or "
@@ -754,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag} needs --full")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: not a folder")
+    if args.full and args.resume is None and args.out is not None and (args.out / RESULTS_FILE).exists():
+        # Writing over it would lose its steps; adding to it is what --resume does.
+        parser.error(f"--out {args.out}: it holds a {RESULTS_FILE} already; add to it with "
+                     f"--resume {args.out}, or choose another --out")
     import torch
 
     device = args.device
