@@ -523,12 +523,19 @@ def estimate(step: Step, device: str, measured: dict[str, float] | None = None) 
     return step.estimate_s[device.startswith("cuda")] or 0.0
 
 
+PLAN_MARGIN = 0.1
+"""Share of a budget a plan leaves free: estimates are guesses (the CUDA ones never
+measured) and a measured duration varies from run to run; a step still running at
+the budget's end is stopped, and its time is lost."""
+
+
 def plan(steps: list[Step], device: str, budget_s: float,
          measured: dict[str, float] | None = None) -> tuple[list[Step], list[Step]]:
     """(the steps to run now, the steps that remain): in order, each step whose
-    estimate fits in what the budget has left. The first step always runs, so that
-    every command makes progress, even with a step longer than the budget."""
-    now, later, left = [], [], budget_s
+    estimate fits in what the budget, less its margin, has left. The first step
+    always runs, so that every command makes progress, even with a step longer than
+    the budget."""
+    now, later, left = [], [], budget_s * (1 - PLAN_MARGIN)
     for step in steps:
         need = estimate(step, device, measured)
         if need <= left or not now:
