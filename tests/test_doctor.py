@@ -183,9 +183,41 @@ def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsy
     assert [s["name"] for s in data["steps"]] == ["environment", "one", "two", "three"]
     assert data["complete"] and data["passed"] and data["remaining"] == []
     assert set(data["durations"]) == {"one", "two", "three"} and len(data["commands"]) == 3
+    capsys.readouterr()
     assert doctor.main(["--resume", str(out), "--device", "cpu"]) == 0  # nothing left: runs none
+    assert "nothing to run" in capsys.readouterr().out
     assert [s["name"] for s in json.loads((out / "doctor.json").read_text())["steps"]][-1] == "three"
 
+
+def _once(name: str, folder: Path, first: str) -> doctor.Step:
+    """A step that does `first` (code) the first time it runs, and passes later."""
+    tried = folder / f"{name}.tried"
+    return _step(name, f"import pathlib, sys, time; p = pathlib.Path({str(tried)!r}); first = not p.exists(); "
+                       f"p.write_text('x')\nif first: {first}")
+
+
+def test_resume_runs_again_each_step_that_did_not_pass_and_keeps_those_that_did(tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "passes.runs"
+    monkeypatch.setattr(doctor, "STEPS", [
+        _once("hangs-once", tmp_path, "time.sleep(600)"),
+        _step("passes", f"open({str(runs)!r}, 'a').write('x')"),
+        _once("fails-once", tmp_path, "sys.exit('it broke')"),
+    ])
+    out = tmp_path / "out"
+    args = ["--device", "cpu"]
+    # A step the budget kills (the only one, so it fails as a hang does) ...
+    assert doctor.main(["--full", "--out", str(out), "--only", "hangs-once", "--budget", "20", *args]) == 1
+    hung = json.loads((out / "doctor.json").read_text())["steps"][-1]
+    assert hung["name"] == "hangs-once" and hung["verdict"] == "fail" and hung["detail"].startswith("hung")
+    # ... runs again when resumed, even alone.
+    assert doctor.main(["--resume", str(out), "--only", "hangs-once", *args]) == 0
+    assert doctor.main(["--resume", str(out), *args]) == 1  # the others: one fails
+    assert "failed: fails-once; go on with" in capsys.readouterr().out
+    assert doctor.main(["--resume", str(out), *args]) == 0  # it alone runs again, and passes
+    data = json.loads((out / "doctor.json").read_text())
+    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [
+        ("environment", "pass"), ("hangs-once", "pass"), ("passes", "pass"), ("fails-once", "pass")]
+    assert data["passed"] and data["complete"] and runs.read_text() == "x"  # the pass was kept, not rerun
 
 def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
     (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": [], "durations": {},

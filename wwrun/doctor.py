@@ -5,7 +5,7 @@
     wwrun doctor --full [--out DIR]  # the whole proof, one subprocess per step
     wwrun doctor --full --only kernels
     wwrun doctor --full --budget 540 --out DIR   # the steps that fit in 9 minutes
-    wwrun doctor --resume DIR [--budget 540]     # then the steps not yet in DIR
+    wwrun doctor --resume DIR [--budget 540]     # then every step of DIR not yet passed
 
 Quick checks run in this process, except what could take the process down (the
 kernels, the launcher run), which runs in a child. Full steps each run in their own
@@ -747,8 +747,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --full: run the steps that fit in SECONDS (by their measured or "
                              "estimated durations) and name the rest, for --resume")
     parser.add_argument("--resume", type=Path, metavar="DIR",
-                        help="go on with the --full run whose doctor.json is in DIR: only the steps "
-                             "not yet in it (implies --full and --out DIR)")
+                        help="go on with the --full run whose doctor.json is in DIR: run every step "
+                             "that has not passed there (never run, failed, hung, stopped at a budget's "
+                             "end, skipped), keep the passed ones (implies --full and --out DIR)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
     if args.resume is not None:
@@ -801,17 +802,28 @@ def main(argv: list[str] | None = None) -> int:
         if mismatch:
             parser.error(f"--resume {args.resume}: made with another {', '.join(mismatch)} "
                          f"({', '.join(str(data.get(k)) for k in mismatch)}); start a new --out")
-    done = {s["name"] for s in data["steps"]}
-    steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in done]
+    # A pass is kept; every other step runs (again): one that failed, hung, was
+    # stopped at a budget's end or never ran, and one skipped here before.
+    passed = {s["name"] for s in data["steps"] if s["verdict"] == PASS}
+    steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in passed]
     later: list[Step] = []
     budget = args.budget or FULL_LIMIT_S
     if args.budget is not None:
         steps, later = plan(steps, device, args.budget, data["durations"])
     data["commands"].append(command)
 
-    def save(checks_so_far: list[Check]) -> None:
-        names = {c.name for c in checks_so_far}
-        data["remaining"] = [s.name for s in STEPS if s.name not in done | names]
+    def record(check: Check) -> None:
+        """Its verdict in the JSON, in place of an earlier one of the same name."""
+        entry = dataclasses.asdict(check)
+        names = [s["name"] for s in data["steps"]]
+        if check.name in names:
+            data["steps"][names.index(check.name)] = entry
+        else:
+            data["steps"].append(entry)
+
+    def save() -> None:
+        have = {s["name"] for s in data["steps"]}
+        data["remaining"] = [s.name for s in STEPS if s.name not in have]
         data["complete"] = not data["remaining"]
         data["passed"] = not any(s["verdict"] == FAIL for s in data["steps"])
         data["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -824,8 +836,10 @@ def main(argv: list[str] | None = None) -> int:
     if later:
         print(f"within {budget:.0f} s: {', '.join(s.name for s in steps) or 'none'}; "
               f"left for later: {', '.join(s.name for s in later)}", flush=True)
-    save([])
+    save()
     checks = [environment] if args.resume is None else []
+    if not steps:
+        print(f"nothing to run: {args.only or 'every step'} passed before", flush=True)
     main_thread = threading.current_thread() is threading.main_thread()
     # A command limit's SIGTERM (`timeout`) ends the running step too (run_step), as Ctrl-C does.
     before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
@@ -835,15 +849,18 @@ def main(argv: list[str] | None = None) -> int:
                 data["durations"][check.name] = check.seconds
             if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
                 checks.append(check)
-                data["steps"].append(dataclasses.asdict(check))
-            save(checks)  # after every step: a run killed later keeps this one
+                record(check)
+            save()  # after every step: a run killed later keeps this one
             print(line(check, width), flush=True)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, before)
     print(counts(checks))
-    if data["remaining"]:
-        print(f"remaining: {', '.join(data['remaining'])}; go on with: "
-              f"wwrun doctor --full --resume {out}" + (f" --budget {args.budget:g}" if args.budget else ""))
+    failed = [s["name"] for s in data["steps"] if s["verdict"] == FAIL and s["name"] in {t.name for t in STEPS}]
+    if data["remaining"] or failed:
+        todo = [f"{what}: {', '.join(names)}" for what, names in (("remaining", data["remaining"]),
+                                                                  ("failed", failed)) if names]
+        print(f"{'; '.join(todo)}; go on with: wwrun doctor --full --resume {out}"
+              + (f" --budget {args.budget:g}" if args.budget else ""))
     print(f"results: {path}")
     return 1 if any(c.verdict == FAIL for c in checks) else 0
