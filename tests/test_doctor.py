@@ -56,11 +56,12 @@ def test_full_writes_its_json_and_artefacts_outside_the_checkout_by_default(tmp_
     assert data["device"] == "cpu" and data["torch"] and data["passed"] is True and data["complete"] is False
     assert data["commands"] == ["wwrun doctor --full --only clean-exit"]
     steps = [(s["name"], s["verdict"], s["allocator"]) for s in data["steps"]]
-    assert steps == [("environment", "pass", None), ("clean-exit", "pass", "waterwave")]
+    assert steps == [("environment", "pass", None), ("build", "pass", None), ("clean-exit", "pass", "waterwave")]
+    assert set(data["steps"][1]["figures"]["seconds"]) == {"host", "cpu", "rng"}  # each part, timed
     assert f"results: {path}" in done.stdout
     lines = done.stdout.splitlines()
     assert sum(line.startswith("✓ clean-exit") for line in lines) == 1  # one table, not two
-    assert "2 passed, 0 failed, 0 skipped" in lines
+    assert "3 passed, 0 failed, 0 skipped" in lines
 
 
 def _step(name, code, allocator=None, estimate=1):
@@ -175,12 +176,12 @@ def test_budget_then_resume_twice_covers_every_step(tmp_path, monkeypatch, capsy
     assert "left for later: two, three" in printed
     assert f"wwrun doctor --full --resume {out} --budget 100" in printed
     data = json.loads((out / "doctor.json").read_text())
-    assert [s["name"] for s in data["steps"]] == ["environment", "one"]
+    assert [s["name"] for s in data["steps"]] == ["environment", "build", "one"]
     assert data["remaining"] == ["two", "three"] and not data["complete"]
     assert doctor.main(["--resume", str(out), "--budget", "100", "--device", "cpu"]) == 0
     assert doctor.main(["--resume", str(out), "--budget", "100", "--device", "cpu"]) == 0
     data = json.loads((out / "doctor.json").read_text())
-    assert [s["name"] for s in data["steps"]] == ["environment", "one", "two", "three"]
+    assert [s["name"] for s in data["steps"]] == ["environment", "build", "one", "two", "three"]
     assert data["complete"] and data["passed"] and data["remaining"] == []
     assert set(data["durations"]) == {"one", "two", "three"} and len(data["commands"]) == 3
     capsys.readouterr()
@@ -216,8 +217,33 @@ def test_resume_runs_again_each_step_that_did_not_pass_and_keeps_those_that_did(
     assert doctor.main(["--resume", str(out), *args]) == 0  # it alone runs again, and passes
     data = json.loads((out / "doctor.json").read_text())
     assert [(s["name"], s["verdict"]) for s in data["steps"]] == [
-        ("environment", "pass"), ("hangs-once", "pass"), ("passes", "pass"), ("fails-once", "pass")]
+        ("environment", "pass"), ("build", "pass"), ("hangs-once", "pass"), ("passes", "pass"), ("fails-once", "pass")]
     assert data["passed"] and data["complete"] and runs.read_text() == "x"  # the pass was kept, not rerun
+
+
+def test_the_build_is_measured_inside_the_budget(tmp_path, monkeypatch, capsys):
+    """On a fresh machine each command builds the C++ parts first: the plan gets
+    what the build left of the budget."""
+    monkeypatch.setattr(doctor, "BUILD", _step("build", "import time; time.sleep(6)"))
+    monkeypatch.setattr(doctor, "STEPS", [_step("a", "", estimate=10), _step("b", "", estimate=8)])
+    out = tmp_path / "out"
+    assert doctor.main(["--full", "--out", str(out), "--budget", "25", "--device", "cpu"]) == 0
+    assert "left for later: b" in capsys.readouterr().out  # 25 s alone would hold both, with the margin
+    data = json.loads((out / "doctor.json").read_text())
+    assert data["steps"][1]["name"] == "build" and data["steps"][1]["seconds"] >= 6
+    assert data["remaining"] == ["b"]
+
+
+def test_a_build_that_fails_runs_no_step_and_leaves_them_for_resume(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "BUILD", _step("build", "import sys; sys.exit('no compiler')"))
+    monkeypatch.setattr(doctor, "STEPS", [_step("a", "")])
+    out = tmp_path / "out"
+    assert doctor.main(["--full", "--out", str(out), "--device", "cpu"]) == 1
+    data = json.loads((out / "doctor.json").read_text())
+    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("build", "fail")]
+    assert "no compiler" in data["steps"][1]["detail"] and data["remaining"] == ["a"] and not data["passed"]
+    assert f"remaining: a; go on with: wwrun doctor --full --resume {out}" in capsys.readouterr().out
+
 
 def test_resume_refuses_a_folder_made_with_another_torch(tmp_path, capsys):
     (tmp_path / "doctor.json").write_text(json.dumps({"device": "cpu", "torch": "0.0", "steps": [], "durations": {},
@@ -279,7 +305,8 @@ def test_a_run_killed_after_a_step_keeps_that_step_and_its_artefact(tmp_path):
         child.communicate()
         _kill_step(out / "hangs.pid")  # in a session of its own: a SIGKILLed doctor cannot end it
     data = json.loads(path.read_text())
-    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [("environment", "pass"), ("writes", "pass")]
+    assert [(s["name"], s["verdict"]) for s in data["steps"]] == [
+        ("environment", "pass"), ("build", "pass"), ("writes", "pass")]
     assert data["remaining"] == ["hangs"] and (out / "artefact.txt").read_text() == "x"
 
 

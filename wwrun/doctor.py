@@ -8,17 +8,19 @@
     wwrun doctor --resume DIR [--budget 540]     # then every step of DIR not yet passed
 
 Quick checks run in this process, except what could take the process down (the
-kernels, the launcher run), which runs in a child. Full steps each run in their own
-subprocess with a time limit, so that a crash or a hang in one is reported and the
-rest go on; the figures each step prints last (one JSON object on one line, as every
-benchmark does) are kept, with the allocator they measured: a step whose figures
-name another allocator than the one it claims fails. The full run writes
+kernels, the launcher run, the headroom probe), which runs in a child. Full steps
+each run in their own subprocess with a time limit, so that a crash or a hang in one
+is reported and the rest go on; the figures each step prints last (one JSON object on
+one line, as every benchmark does) are kept, with the allocator they measured: a
+step whose figures name another allocator than the one it claims fails. The full
+run first builds (or loads) wwrun's C++ parts in a child, timed, then writes
 DIR/doctor.json after every step (a run killed later keeps the finished ones), its
 steps' artefacts into DIR too, and prints each step's line as it ends. With
---budget, the steps that fit (by the durations DIR's JSON measured, else by
-estimates) run and the rest are named for --resume, so that a proof longer than a
-machine's command limit is a few commands. Exit code 0 only if nothing failed
-(skipped or remaining is not failed).
+--budget, the build and the steps that fit (by the durations DIR's JSON measured,
+else by estimates, with a margin) run and the rest are named for --resume, which
+runs every step not yet passed (failed, hung, stopped or never run), so that a proof
+longer than a machine's command limit is a few commands. Exit code 0 only if nothing
+failed (skipped or remaining is not failed).
 """
 
 from __future__ import annotations
@@ -461,6 +463,18 @@ def headroom(device: str, folder: str) -> int:
     return 0
 
 
+def build_parts(device: str, folder: str) -> int:
+    """wwrun's C++ parts that the steps on `device` use, built or loaded, each timed
+    (about 0 s when built before), and on CUDA the CUDA_HOME the build used."""
+    from wwrun import build
+
+    figures: dict = {"seconds": build.build_all(cuda=device.startswith("cuda"))}
+    if device.startswith("cuda"):
+        figures["cuda_home"], figures["cuda_home_found"] = build.cuda_home()
+    print(json.dumps(figures))
+    return 0
+
+
 _TEARDOWN_NOISE = ("terminate called", "CUDA error", "Segmentation fault", "Exception ignored")
 
 
@@ -475,6 +489,12 @@ def clean_exit(device: str, folder: str) -> int:
         return 1
     return 0
 
+
+BUILD = Step("build", "wwrun's C++ parts, built or loaded", _in_child("build_parts"), allocator=None,
+             shown=("seconds.host", "seconds.cpu", "seconds.cuda", "seconds.rng", "cuda_home"))
+"""Run before the steps by every --full command (not one of STEPS): the time a
+fresh machine spends building is then measured inside the budget, and no step's
+duration or time limit includes it."""
 
 STEPS: list[Step] = [
     # test_allocator_cuda.py's tests each run a child on wwrun's allocator, as do the
@@ -616,7 +636,7 @@ def full(device: str, steps: list[Step] | None = None, budget_s: float = FULL_LI
     for number, step in enumerate(steps if steps is not None else STEPS):
         left = deadline - time.monotonic()
         if left < 10:
-            yield Check(step.name, SKIP, f"{OUT_OF_TIME} (the budget is {budget_s:.0f} s)")
+            yield Check(step.name, SKIP, f"{OUT_OF_TIME} (the steps' budget is {budget_s:.0f} s)")
             continue
         limit = min(step_limit_s, left)
         with tempfile.TemporaryDirectory(prefix="wwrun-doctor-out-") as scratch:
@@ -744,8 +764,9 @@ def main(argv: list[str] | None = None) -> int:
                         "holds a doctor.json already is refused: go on with it with --resume DIR")
     parser.add_argument("--only", choices=[s.name for s in STEPS], help="with --full: run this step alone")
     parser.add_argument("--budget", type=_seconds, metavar="SECONDS",
-                        help="with --full: run the steps that fit in SECONDS (by their measured or "
-                             "estimated durations) and name the rest, for --resume")
+                        help="with --full: build wwrun's C++ parts, then run the steps that fit in what "
+                             "is left of SECONDS (by their measured or estimated durations, less a "
+                             f"{PLAN_MARGIN * 100:.0f}%% margin) and name the rest, for --resume")
     parser.add_argument("--resume", type=Path, metavar="DIR",
                         help="go on with the --full run whose doctor.json is in DIR: run every step "
                              "that has not passed there (never run, failed, hung, stopped at a budget's "
@@ -786,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tempfile.mkdtemp(prefix=f"wwrun-doctor-{stamp}-"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
+    started = time.monotonic()  # a --budget counts from here: the build is in it
     environment = check_environment(device)
     data = {**_versions(device), "commands": [], "date": None, "passed": True, "complete": False,
             "durations": {}, "remaining": [], "steps": [dataclasses.asdict(environment)]}
@@ -806,10 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     # stopped at a budget's end or never ran, and one skipped here before.
     passed = {s["name"] for s in data["steps"] if s["verdict"] == PASS}
     steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in passed]
-    later: list[Step] = []
     budget = args.budget or FULL_LIMIT_S
-    if args.budget is not None:
-        steps, later = plan(steps, device, args.budget, data["durations"])
     data["commands"].append(command)
 
     def record(check: Check) -> None:
@@ -833,9 +852,6 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(s.name) for s in STEPS)
     if args.resume is None:
         print(line(environment, width), flush=True)
-    if later:
-        print(f"within {budget:.0f} s: {', '.join(s.name for s in steps) or 'none'}; "
-              f"left for later: {', '.join(s.name for s in later)}", flush=True)
     save()
     checks = [environment] if args.resume is None else []
     if not steps:
@@ -844,7 +860,21 @@ def main(argv: list[str] | None = None) -> int:
     # A command limit's SIGTERM (`timeout`) ends the running step too (run_step), as Ctrl-C does.
     before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        for check in full(device, steps, budget_s=budget, out=out):
+        if steps:  # the build first, inside the budget: on a fresh machine it takes a minute or more
+            build = run_step(BUILD, device, min(STEP_LIMIT_S, budget), out)
+            checks.append(build)
+            record(build)
+            save()
+            print(line(build, width), flush=True)
+            if build.verdict == FAIL:  # every step would fail on it: they remain for --resume
+                steps = []
+        left = budget - (time.monotonic() - started)
+        if args.budget is not None and steps:
+            steps, later = plan(steps, device, left, data["durations"])
+            if later:
+                print(f"within the {left:.0f} s left: {', '.join(s.name for s in steps)}; "
+                      f"left for later: {', '.join(s.name for s in later)}", flush=True)
+        for check in full(device, steps, budget_s=left, out=out):
             if check.seconds:  # also a step the budget stopped: it takes at least that long
                 data["durations"][check.name] = check.seconds
             if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
