@@ -94,6 +94,7 @@ from wwrun.memory import Memory, allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 import allocator as allocator_benchmark  # noqa: E402  benchmarks/allocator.py, beside this script
+from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py
 
 INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,16 +102,6 @@ RESULTS = os.path.join(HERE, "results")
 JOB_SCRIPT = os.path.join(HERE, "train_job.py")
 REPO = os.path.dirname(HERE)
 TORCH_BACKEND = "cudaMallocAsync"  # GPU mode's other cross-stream reuse
-WWRUN = "waterwave"  # the allocator every wwrun run here must measure (allocator.in_use)
-
-
-def measured_on(allocator_name: str, expected: str, what: str) -> str:
-    """The allocator a run reported; an error when it is not the one it claims to
-    measure (a fallback would publish another allocator's figures as ours)."""
-    if allocator_name != expected:
-        raise RuntimeError(f"{what} ran on the {allocator_name!r} allocator, not {expected!r}: "
-                           "its figures would not be the ones it claims")
-    return allocator_name
 
 
 def make_model(width: int, seed: int) -> nn.Module:
