@@ -81,3 +81,19 @@ def test_launcher_overhead_and_scale_out_read_the_allocator_each_run_and_engine_
         "                  'two_engines': scale_out.run_allocators(json.loads(two.read_text()))}))")
     assert read == {"overhead": "waterwave", "one_engine": ["waterwave"], "two_engines": ["waterwave", "waterwave"]}
 
+
+def test_waterwave_part_a_plans_for_every_job_at_once():
+    """Its Memory stands in for the launcher's, which plans for each job at once (on
+    CUDA each one's stream workspaces and thread headroom): with 3 jobs, 3."""
+    seen = in_benchmarks(
+        "import json, waterwave\n"
+        "seen = []\n"
+        "class Recorded(waterwave.Memory):\n"
+        "    def __init__(self, *args, **options):\n"
+        "        super().__init__(*args, **options)\n"
+        "        seen.append(self.jobs_at_once)\n"
+        "waterwave.Memory = Recorded\n"
+        "jobs = [dict(width=16, batch=8, steps=2, seed=i) for i in range(3)]\n"
+        "waterwave.trains(jobs, 32 << 20, 'waterwave')\n"
+        "print(json.dumps({'seen': seen, 'baseline': waterwave.drop_idle_reserve()}))")
+    assert seen == {"seen": [3], "baseline": 0}  # on the CPU the allocator starts afresh for each run
