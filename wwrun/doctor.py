@@ -1,7 +1,7 @@
 """`wwrun doctor`: what wwrun will use on this machine, and whether each part works.
 
     wwrun doctor                     # quick (under a minute): versions, allocator build,
-                                     # Triton kernels, a two-job memory-flow run
+                                     # headroom (GPU), Triton kernels, a two-job memory-flow run
     wwrun doctor --full [--out DIR]  # the whole proof, one subprocess per step
     wwrun doctor --full --only kernels
     wwrun doctor --full --budget 540 --out DIR   # the steps that fit in 9 minutes
