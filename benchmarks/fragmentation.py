@@ -18,7 +18,8 @@ over the limit, as the allocator's message says at its decision, also for rule f
 not in one piece (device allocated + request within the limit: the allocator's).
 Also allocated / reserved at the run's peak (target >= 0.95) and the waterwave /
 sequential wall time of the runs that lost nothing. Prints the figures, then LAST one
-JSON object on one line.
+JSON object on one line; its `allocator` (and each run's) is the one the runs
+recorded, wwrun's (a run on another stops the benchmark, benchmarks/measured.py).
 
 --loop N runs the quickstart (recipes/quickstart.yaml under 1.15x its largest job's
 allocated peak in a --policy concurrent run) and three copies of a job whose forward
@@ -45,7 +46,9 @@ import time  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)  # the checkout
+sys.path.append(HERE)  # benchmarks/measured.py, also when a test loads this file (last: shadows nothing)
 import wwrun  # noqa: E402
+from measured import WWRUN, measured_on  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
 from wwrun.recipe import load_recipe  # noqa: E402
 
@@ -105,12 +108,14 @@ def launch(jobs: list[tuple[str, list[str]]], policy: str, memory_limit: int | N
     `wwrun --device cpu --policy P --memory-limit M script args : ...`; the RunResult."""
     log_dir = tempfile.mkdtemp(prefix="wwrun-frag-")
     try:
-        return wwrun.launch(wwrun.LaunchConfig(
+        result = wwrun.launch(wwrun.LaunchConfig(
             jobs=[wwrun.JobSpec(name=f"job{i}", script=script, args=args) for i, (script, args) in enumerate(jobs)],
             policy=policy, memory_limit=memory_limit, device="cpu", quiet=True, log_dir=log_dir,
         ), display=QuietDisplay(io.StringIO()))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+    measured_on(result.extra["allocator"], WWRUN, f"wwrun --policy {policy}")
+    return result
 
 
 _SIZE = r"([\d.]+) (B|KiB|MiB|GiB)"
@@ -145,6 +150,7 @@ def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True) -> 
         "limit_mib": limit // MiB, "tensor_fraction": fraction, "seed": seed, "jobs": len(jobs),
         "lost": len(lost), "lost_by": {kind: lost.count(kind) for kind in set(lost)},
         "errors": [job.error for job in result.jobs if job.error],
+        "allocator": result.extra["allocator"],  # checked by launch()
         "peak_reserved_bytes": result.extra.get("peak_reserved_bytes"),
         "allocated_over_reserved": round(result.extra["peak_memory_bytes"] / result.extra["peak_reserved_bytes"], 4),
         "wall_s": round(result.wall_s, 3),
@@ -165,9 +171,11 @@ def _launch_recipe(config, policy, limit):
     try:
         config.device, config.policy, config.memory_limit = "cpu", policy, limit
         config.quiet, config.log_dir = True, log_dir
-        return wwrun.launch(config, display=QuietDisplay(io.StringIO()))
+        result = wwrun.launch(config, display=QuietDisplay(io.StringIO()))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+    measured_on(result.extra["allocator"], WWRUN, f"the quickstart under --policy {policy}")
+    return result
 
 
 def scenario_loop(runs: int) -> dict:
@@ -184,6 +192,7 @@ def scenario_loop(runs: int) -> dict:
         lost_runs, kinds, over = 0, [], 0
         for _ in range(runs):
             result = run()
+            figures["allocator"] = result.extra["allocator"]  # every run's (checked as it ends)
             errors = [job.error for job in result.jobs if job.state.value != "succeeded"]
             lost_runs += bool(errors)
             kinds += [classify(e, result.extra["memory_limit_bytes"]) for e in errors]
@@ -229,6 +238,7 @@ def main() -> None:
     kinds = [kind for run in runs for kind, n in run["lost_by"].items() for _ in range(n)]
     timed = [run for run in runs if "sequential_wall_s" in run]
     result.update({
+        "allocator": runs[0]["allocator"],  # every run's (launch() checks each)
         "runs": len(runs), "jobs": sum(run["jobs"] for run in runs),
         "jobs_lost": sum(run["lost"] for run in runs), "runs_losing_a_job": sum(bool(run["lost"]) for run in runs),
         "lost_by": {kind: kinds.count(kind) for kind in sorted(set(kinds))},

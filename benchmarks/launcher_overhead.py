@@ -13,7 +13,9 @@ Medians of --repeats runs (at least 5), runs of the variants interleaved so drif
 machine load hit them alike. Every process and job uses --threads intra-op threads
 (OMP_NUM_THREADS, default 1): with OpenMP's spin-waiting, two processes each asking
 for every core turn a 0.3 s loop into 9-20 s on 2 busy cores, which would measure the
-machine, not the launcher. The last line is one JSON object.
+machine, not the launcher. The last line is one JSON object; its `allocator` is the
+one every wwrun run recorded in its report (a run on another than wwrun's stops the
+benchmark, benchmarks/measured.py), and `allocators` names each variant's.
 
     python benchmarks/launcher_overhead.py [--repeats 5] [--script recipes/examples/mlp.py] [-- script args]
 """
@@ -33,11 +35,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py, beside this script
+
 
 def timed(argv: list[str], env: dict) -> float:
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
+
+
+def report_allocator(report: Path) -> str:
+    """The allocator a wwrun run served its jobs with, as its report records it."""
+    return json.loads(report.read_text())["run"]["allocator"]
 
 
 def cpu_timed(argv: list[str], env: dict) -> float:
@@ -76,14 +85,26 @@ def main() -> None:
     times: dict[str, list[float]] = {
         k: [] for k in ("python", "wwrun", "sequential", "concurrent", "python_start_cpu", "wwrun_start_cpu")
     }
+    # What each variant ran on: plain python on torch's own allocator; each wwrun run
+    # as its report says.
+    allocators: dict[str, set[str]] = {"python": {"native"}, "wwrun": set(), "concurrent": set(), "wwrun_start": set()}
+    report = Path(logs) / "report.json"
+
+    def wwrun_run(variant: str, timer, argv: list[str]) -> float:
+        seconds = timer([*wwrun, "--report", str(report), *argv], env)
+        allocators[variant].add(report_allocator(report))
+        return seconds
+
     timed(python, env)  # warm the file cache
     for _ in range(args.repeats):
         times["python"].append(timed(python, env))
-        times["wwrun"].append(timed([*wwrun, args.script, *args.script_args], env))
+        times["wwrun"].append(wwrun_run("wwrun", timed, [args.script, *args.script_args]))
         times["sequential"].append(sum(timed(python, env) for _ in range(args.jobs)))
-        times["concurrent"].append(timed([*wwrun, "--policy", "concurrent", *many], env))
+        times["concurrent"].append(wwrun_run("concurrent", timed, ["--policy", "concurrent", *many]))
         times["python_start_cpu"].append(cpu_timed([sys.executable, str(import_only)], env))
-        times["wwrun_start_cpu"].append(cpu_timed([*wwrun, str(import_only)], env))
+        times["wwrun_start_cpu"].append(wwrun_run("wwrun_start", cpu_timed, [str(import_only)]))
+    for variant in ("wwrun", "concurrent", "wwrun_start"):
+        measured_on(",".join(sorted(allocators[variant])), WWRUN, f"wwrun ({variant})")
 
     med = {k: statistics.median(v) for k, v in times.items()}
     overhead = med["wwrun"] / med["python"] - 1
@@ -111,6 +132,8 @@ def main() -> None:
         "single_job_overhead": round(overhead, 4),
         "concurrent_vs_sequential_speedup": round(speedup, 3),
         "startup_cpu_cost_s": round(start_cost, 4),
+        "allocator": WWRUN,  # every wwrun run's, checked above
+        "allocators": {variant: ",".join(sorted(names)) for variant, names in allocators.items()},
         "load_average_at_start": round(load, 2),
     }))
 

@@ -22,8 +22,12 @@ The job is tests/scripts/offload_job.py, the offload tests' own (a residual MLP,
     alone, two small): `--offload auto`, `--offload never` and `--policy sequential`
     (with auto): jobs that succeed, wall time, bytes offloaded.
 
+Every run goes through wwrun's allocator, whose figures these are: the JSON's
+`allocator` is what the runs recorded (a run on another allocator stops the
+benchmark, benchmarks/measured.py).
+
 Prints the figures, then LAST one JSON object on one line, also saved to
-benchmarks/results/offload-<device>.json. On the CPU (without Triton's interpreter)
+benchmarks/results/offload-<device>.json (or --out). On the CPU (without Triton's interpreter)
 the chunks are packed with plain copies. The CUDA command has not
 been run (the machine it was written on has no GPU); there the copies run on a side
 stream and torch.autograd.graph.save_on_cpu(pin_memory=True) is the baseline to add.
@@ -44,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py, beside this script
+
 from wwrun import JobSpec, JobState, LaunchConfig, launch  # noqa: E402
 
 SCRIPT = str(HERE.parent / "tests" / "scripts" / "offload_job.py")
@@ -53,6 +59,7 @@ MiB = 2**20
 def run(jobs: list[JobSpec], device: str, **options):
     with tempfile.TemporaryDirectory() as logs:
         result = launch(LaunchConfig(jobs=jobs, device=device, log_dir=logs, quiet=True, **options))
+        measured_on(result.extra["allocator"], WWRUN, f"wwrun --offload {options.get('offload', 'auto')}")
         outputs = [(Path(job.log_dir) / "stdout.log").read_text() if job.log_dir else "" for job in result.jobs]
     return result, outputs
 
@@ -102,6 +109,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--limit", default="32MiB", help="the budget (default: 32MiB)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: "
+                        "benchmarks/results/offload-<device>.json)")
     args = parser.parse_args()
     from wwrun.config import parse_size
 
@@ -118,6 +127,7 @@ def main() -> None:
     with_limit, out_limit = run([job("j", offload_max, 3)], args.device, memory_limit=limit, offload="auto",
                                 policy="waterwave")
     _, out_free = run([job("j", offload_max, 3)], args.device, offload="never", policy="waterwave")
+    figures["allocator"] = with_limit.extra["allocator"]  # every run's, checked in run()
     figures["same_losses"] = losses(out_limit[0]) == losses(out_free[0]) and bool(losses(out_free[0]))
     figures["offload_max_reserved_bytes"] = with_limit.extra.get("peak_reserved_bytes")
     print(f"    batch {offload_max}: same losses as without a limit: {figures['same_losses']}, "
@@ -146,8 +156,9 @@ def main() -> None:
         print(f"(c) {label}: {len(done)}/3 succeeded ({', '.join(done)}) in {wall:.2f} s, offloaded {moved}")
 
     figures["loadavg"] = os.getloadavg()[0]
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"offload-{args.device}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    out = args.out or HERE / "results" / f"offload-{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures))
 
 

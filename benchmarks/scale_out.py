@@ -13,7 +13,10 @@ actors against the local driver.
 Every job uses one intra-op thread (OMP_NUM_THREADS=1), as the other benchmarks: on
 2 cores, more would measure OpenMP's spinning, not wwrun. Medians of --repeats runs,
 variants interleaved. The last line is one JSON object; --save also writes it to a
-file (benchmarks/results/scale_out-cpu.json).
+file (benchmarks/results/scale_out-cpu.json). Its `allocator` is the one every run
+recorded (a one-engine run in its report, each engine of a scale-out run in the
+report's `engines`); a run on another than wwrun's stops the benchmark
+(benchmarks/measured.py).
 
     python benchmarks/scale_out.py [--repeats 1] [--steps 400] [--no-ray] [--save FILE]
 """
@@ -31,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py, beside this script
+
 SCRIPT = ROOT / "recipes" / "examples" / "mlp.py"
 NOOP = ROOT / "tests" / "scripts" / "ending.py"
 JOBS = 12
@@ -66,6 +72,12 @@ def timed_run(argv: list[str], env: dict, report: Path) -> tuple[float, float, d
     starts = [datetime.fromisoformat(j["started"]).timestamp() for j in data["jobs"]]
     ends = [s + j["wall_s"] for s, j in zip(starts, data["jobs"])]
     return wall, max(ends) - min(starts), data
+
+
+def run_allocators(data: dict) -> list[str]:
+    """The allocators a run's report records: its own, or each engine's."""
+    run = data["run"]
+    return [e["allocator"] for e in run["engines"]] if "engines" in run else [run["allocator"]]
 
 
 def choose_cost_s(engines: int = 8, repeats: int = 20000) -> float:
@@ -114,6 +126,8 @@ def main() -> None:
     for r in range(args.repeats):
         for name, argv in variants.items():
             w, s, data = timed_run(argv, env, folder / f"{name}-{r}.json")
+            for used in run_allocators(data):
+                measured_on(used, WWRUN, f"wwrun ({name})")
             wall[name].append(w)
             span[name].append(s)
             if "engines" in data["run"]:
@@ -158,6 +172,7 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "load_average_at_start": round(load, 2),
+        "allocator": WWRUN,  # every run's and every engine's, checked as it ended
         "median_wall_s": {k: round(v, 3) for k, v in wall_m.items()},
         "median_span_s": {k: round(v, 3) for k, v in span_m.items()},
         "jobs_per_engine": placed,

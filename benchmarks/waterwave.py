@@ -24,8 +24,11 @@ interleaved repeats.
     A batch "trains" when every job finishes, all ran at once at some point, and the
     measured peak stays in budget.
 (b) oversubscription: 3 jobs whose summed peaks are 1.5x `--memory-limit`, a job's
-    peak being what the allocator reserved for it alone (the device memory a process
-    running it would hold; its allocated peak is recorded too). The jobs are large
+    peak being what the allocator reserved for it alone, above what it held when the
+    run started (on CUDA earlier runs' idle job streams keep cuBLAS workspaces, dropped
+    before each run): the device memory a process running it would hold (its
+    allocated peak is recorded too). Part (a) plans, as the launcher does, for the
+    number of jobs at once. The jobs are large
     enough (12 MiB activations, ~75 ms steps) that the allocator's 2 MiB segments and
     the engine's Python hooks weigh as little as on a GPU:
     `--policy waterwave` against `--policy sequential` (temporal sharing; timed as
@@ -94,6 +97,7 @@ from wwrun.memory import Memory, allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 import allocator as allocator_benchmark  # noqa: E402  benchmarks/allocator.py, beside this script
+from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py
 
 INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,16 +105,6 @@ RESULTS = os.path.join(HERE, "results")
 JOB_SCRIPT = os.path.join(HERE, "train_job.py")
 REPO = os.path.dirname(HERE)
 TORCH_BACKEND = "cudaMallocAsync"  # GPU mode's other cross-stream reuse
-WWRUN = "waterwave"  # the allocator every wwrun run here must measure (allocator.in_use)
-
-
-def measured_on(allocator_name: str, expected: str, what: str) -> str:
-    """The allocator a run reported; an error when it is not the one it claims to
-    measure (a fallback would publish another allocator's figures as ours)."""
-    if allocator_name != expected:
-        raise RuntimeError(f"{what} ran on the {allocator_name!r} allocator, not {expected!r}: "
-                           "its figures would not be the ones it claims")
-    return allocator_name
 
 
 def make_model(width: int, seed: int) -> nn.Module:
@@ -190,7 +184,10 @@ def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     just queued behind the others). concurrent (spatial sharing): the jobs' peaks must
     fit side by side, as separate processes each keeping their peak (caching
     allocators) would need."""
-    memory = Memory(DEVICE, capacity, policy)  # what the launcher holds: allocator, budget, engine
+    drop_idle_reserve()  # earlier trials' idle job streams hold no budget of this one
+    # What the launcher holds (allocator, budget, engine), planning as it would for
+    # every job at once: on CUDA each one's stream workspaces and thread headroom.
+    memory = Memory(DEVICE, capacity, policy, jobs_at_once=len(jobs))
     try:
         measured_on(memory.allocator, WWRUN, f"(a) {policy}")
         _, errors = run_threads(jobs, memory.session)
@@ -239,9 +236,29 @@ def makespan(spans: list[tuple[float, float]]) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+def drop_idle_reserve() -> int:
+    """What the allocator still holds before a run for none of its jobs; the run's
+    reserved peak starts from it (the launcher resets the peak to what is reserved
+    when it starts). On CUDA those are the cuBLAS workspaces of earlier runs' idle job
+    streams (torch keeps them in a process-wide map; ~66 MiB a stream on sm_90): they
+    are dropped first, so that a run's peak above what is left is its own, its jobs'
+    bytes and its own streams' workspaces, as a process running the jobs would hold.
+    On the CPU the allocator is installed afresh for each run: nothing."""
+    if DEVICE != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    return allocator.stats()["device"]["reserved_bytes"]["current"]
+
+
 def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None):
     """Run the jobs through wwrun's launcher, as `wwrun --policy P --memory-limit M
-    train_job.py ARGS : ...` would; (the jobs' loop spans, RunResult)."""
+    train_job.py ARGS : ...` would; (the jobs' loop spans, RunResult, the run's
+    reserved peak above what the allocator held at its start)."""
+    baseline = drop_idle_reserve()
     log_dir = tempfile.mkdtemp(prefix="wwrun-bench-")
     try:
         result = wwrun.launch(wwrun.LaunchConfig(
@@ -254,7 +271,7 @@ def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None
         spans = [loop_span((Path(job.log_dir) / "stdout.log").read_text()) for job in result.jobs]
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-    return spans, result
+    return spans, result, result.extra["peak_reserved_bytes"] - baseline
 
 
 def torch_allocator_threads(jobs: list[list[str]]) -> tuple[float, int]:
@@ -358,15 +375,14 @@ def main() -> None:
 
     # (b) oversubscription: 3 jobs whose summed peaks are ~1.5x the budget.
     batch, steps_b = 24576, max(10, steps // 3)
-    _, alone = launched([job_args(width, batch, 3, 0)], "waterwave")
+    _, alone, peak = launched([job_args(width, batch, 3, 0)], "waterwave")
     allocated_peak = alone.jobs[0].extra["peak_memory_bytes"]
-    peak = alone.extra["peak_reserved_bytes"]
     capacity_b = int(3 * peak / 1.5)
     jobs = [job_args(width, batch, steps_b, seed) for seed in range(3)]
     waterwave_peaks = []
 
     def waterwave_run():
-        spans, run = launched(jobs, "waterwave", capacity_b)
+        spans, run, _ = launched(jobs, "waterwave", capacity_b)
         assert run.extra["peak_reserved_bytes"] <= capacity_b, run.extra  # the allocator's, all it holds
         waterwave_peaks.append(run.extra["peak_reserved_bytes"])
         return makespan(spans)
@@ -434,7 +450,7 @@ def main() -> None:
         outside = []  # the launch's wall time beyond the timed loop
         for _ in range(repeats):  # interleaved, so drift hits all alike
             loops["python"].append(processes(single))
-            spans, run = launched(single, "concurrent")
+            spans, run, _ = launched(single, "concurrent")
             loop = makespan(spans)
             loops["wwrun"].append(loop)
             outside.append(run.wall_s - loop)

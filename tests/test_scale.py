@@ -289,6 +289,7 @@ def test_placement_by_measured_memory_across_two_engines(tmp_path):
     assert data["run"]["scale"] == "process" and [e["memory_limit_bytes"] for e in data["run"]["engines"]] == [
         24 * MIB, 128 * MIB]
     assert {e["state"] for e in data["run"]["engines"]} == {"ended"}
+    assert {e["allocator"] for e in data["run"]["engines"]} == {"waterwave"}  # each engine's own record
     assert all("engine" in j for j in data["jobs"])
     # Logs where they always were: <run>/<job>/, each engine's own files apart.
     run_dir = Path(result.log_dir)

@@ -230,16 +230,12 @@ def _build(argv: list[str]) -> int:
     """`wwrun build`: build every C++ part this machine can use, ahead of a run."""
     import torch
 
-    from wwrun import rng
-    from wwrun.build import BuildError
-    from wwrun.memory import allocator
+    from wwrun.build import BuildError, build_all
 
     _Parser(prog="wwrun build", description="Build wwrun's C++ parts against the installed torch, "
             "ahead of a run (for an image or a CI cache).").parse_args(argv)
     try:
-        for kind in ("host", "cpu") + (("cuda",) if torch.version.cuda else ()):
-            allocator._extension(kind)
-        rng._build_extension()
+        build_all(cuda=torch.version.cuda is not None)
     except BuildError as err:
         print(one_line(str(err)), file=sys.stderr)
         return 1

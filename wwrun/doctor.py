@@ -1,24 +1,26 @@
 """`wwrun doctor`: what wwrun will use on this machine, and whether each part works.
 
     wwrun doctor                     # quick (under a minute): versions, allocator build,
-                                     # Triton kernels, a two-job memory-flow run
+                                     # headroom (GPU), Triton kernels, a two-job memory-flow run
     wwrun doctor --full [--out DIR]  # the whole proof, one subprocess per step
     wwrun doctor --full --only kernels
     wwrun doctor --full --budget 540 --out DIR   # the steps that fit in 9 minutes
-    wwrun doctor --resume DIR [--budget 540]     # then the steps not yet in DIR
+    wwrun doctor --resume DIR [--budget 540]     # then every step of DIR not yet passed
 
 Quick checks run in this process, except what could take the process down (the
-kernels, the launcher run), which runs in a child. Full steps each run in their own
-subprocess with a time limit, so that a crash or a hang in one is reported and the
-rest go on; the figures each step prints last (one JSON object on one line, as every
-benchmark does) are kept, with the allocator they measured: a step whose figures
-name another allocator than the one it claims fails. The full run writes
+kernels, the launcher run, the headroom probe), which runs in a child. Full steps
+each run in their own subprocess with a time limit, so that a crash or a hang in one
+is reported and the rest go on; the figures each step prints last (one JSON object on
+one line, as every benchmark does) are kept, with the allocator they measured: a
+step whose figures name another allocator than the one it claims fails. The full
+run first builds (or loads) wwrun's C++ parts in a child, timed, then writes
 DIR/doctor.json after every step (a run killed later keeps the finished ones), its
 steps' artefacts into DIR too, and prints each step's line as it ends. With
---budget, the steps that fit (by the durations DIR's JSON measured, else by
-estimates) run and the rest are named for --resume, so that a proof longer than a
-machine's command limit is a few commands. Exit code 0 only if nothing failed
-(skipped or remaining is not failed).
+--budget, the build and the steps that fit (by the durations DIR's JSON measured,
+else by estimates, with a margin) run and the rest are named for --resume, which
+runs every step not yet passed (failed, hung, stopped or never run), so that a proof
+longer than a machine's command limit is a few commands. Exit code 0 only if nothing
+failed (skipped or remaining is not failed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -47,8 +50,13 @@ FULL_LIMIT_S = 25 * 60
 _CHECKOUT = Path(__file__).resolve().parents[1]
 OFFLINE_INSTALL = "pip install --no-index --no-build-isolation --no-deps -e ."
 """The install that needs no package index (a GPU machine without network): torch and
-wwrun's other dependencies are there already, and the setuptools torch brought
-builds it. Without any install, `python -m wwrun` from the checkout works too."""
+wwrun's other dependencies are there already, and the setuptools at hand builds it
+(OFFLINE_INSTALL_NEEDS). Without any install, `python -m wwrun` from the checkout
+works too."""
+OFFLINE_INSTALL_NEEDS = "setuptools>=70.1, or wheel"
+"""What OFFLINE_INSTALL needs besides torch: without build isolation pip builds the
+editable wheel with the setuptools installed, whose `bdist_wheel` command is its own
+from 70.1 and the `wheel` package's before (else: "invalid command 'bdist_wheel'")."""
 
 
 @dataclasses.dataclass
@@ -63,7 +71,11 @@ class Check:
     figures: dict | list | None = None
     allocator: str | None = None
     """The allocator the check measured ('waterwave', 'native', 'cudaMallocAsync');
-    None where it measured none."""
+    MIXED for a test run whose tests use different ones (each asserts its own); None
+    where it measured none."""
+
+
+MIXED = "mixed"
 
 
 # --- what a job of the memory-flow and sweep checks runs -----------------------------
@@ -166,11 +178,36 @@ def check_environment(device: str) -> Check:
     detail = (f"{device} ({name}), torch {torch.__version__}, CUDA {cuda}, "
               f"Python {platform.python_version()}, {os.cpu_count()} CPU cores")
     install = _install_state()
+    figures = {**_versions(device), "install": install}
     advice = ""
     if install == "not installed":  # run from a checkout: fine, but no `wwrun` command
         detail += f"; wwrun not installed, run from {_CHECKOUT}"
         advice = f"to install it without a package index: cd {_CHECKOUT} && {OFFLINE_INSTALL}"
-    return Check("environment", PASS, detail, advice, figures={**_versions(device), "install": install})
+        lacking = offline_install_lacks(_setuptools_version(), importlib.util.find_spec("wheel") is not None)
+        if lacking:  # the advice would fail with "invalid command 'bdist_wheel'"
+            advice += f" (needs {OFFLINE_INSTALL_NEEDS}: {lacking}; until then, python -m wwrun)"
+        figures["offline_install"] = lacking or "ready"
+    return Check("environment", PASS, detail, advice, figures=figures)
+
+
+def _setuptools_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def offline_install_lacks(setuptools: str | None, wheel: bool) -> str | None:
+    """What OFFLINE_INSTALL lacks in an environment with this setuptools version
+    (None: not installed) and with or without the `wheel` package; None if nothing."""
+    if setuptools is None:
+        return "setuptools is not installed"
+    release = tuple(int(part) for part in re.findall(r"\d+", setuptools)[:2])
+    if release >= (70, 1) or wheel:
+        return None
+    return f"setuptools {setuptools} is older than 70.1 and wheel is not installed"
 
 
 def _install_state() -> str:
@@ -292,7 +329,33 @@ def check_memory_flow(device: str) -> Check:
     return Check("memory flow", PASS, detail, figures=figures_out, allocator=used)
 
 
-QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_kernels, check_memory_flow]
+def check_headroom(device: str) -> Check:
+    """What the device gives outside the allocator, measured as a run measures it
+    (`headroom`, in a child: it initialises CUDA)."""
+    if not device.startswith("cuda"):
+        return Check("headroom", SKIP, "does not apply on the CPU: no driver, library handles or kernels "
+                     "take memory beside the allocator there")
+    with tempfile.TemporaryDirectory(prefix="wwrun-doctor-") as tmp:
+        done = subprocess.run(_in_child("headroom")(device, Path(tmp), Path(tmp)), capture_output=True,
+                              text=True, timeout=300, env=_child_env(device), stdin=subprocess.DEVNULL)
+    figures = _last_json(done.stdout)
+    if done.returncode != 0 or not isinstance(figures, dict):
+        return Check("headroom", FAIL, _failure(done), "rerun it alone: wwrun doctor --full --only headroom")
+    used = figures.get("allocator")
+    if used != "waterwave":
+        return Check("headroom", FAIL, f"measured beside the {used!r} allocator, not wwrun's",
+                     "the allocator build above says why", figures=figures, allocator=used)
+    return Check("headroom", PASS, _headroom_detail(figures), figures=figures, allocator=used)
+
+
+def _headroom_detail(figures: dict) -> str:
+    return (f"outside the allocator {_size(figures['process_bytes'])} at the first warm-up, "
+            f"{_size(figures['per_thread_bytes'])} per further thread; each job stream's cuBLAS workspaces "
+            f"{_size(figures['stream_fixed_bytes'])}; kept back for one job: {_size(figures['kept_bytes'])}")
+
+
+QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_headroom, check_kernels,
+                                       check_memory_flow]
 
 
 def _title(check: Callable) -> str:
@@ -333,7 +396,8 @@ class Step:
     allocator: str | None = "waterwave"
     """The allocator the step measures. A step whose figures name it (`allocator`)
     fails when they name another; pytest steps name it from their tests, which
-    assert it themselves; None: the step measures no allocator."""
+    assert it themselves (MIXED: tests on different allocators); None: the step
+    measures no allocator."""
     estimate_s: tuple[float | None, float] = (60, 60)
     """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
     CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
@@ -384,6 +448,33 @@ def sweep(device: str, folder: str, jobs: int = 40) -> int:
     return 0 if succeeded == jobs and foreign == 0 else 1
 
 
+def headroom(device: str, folder: str) -> int:
+    """`allocator.measure_headroom` as a run calls it (wwrun's allocator installed
+    first, then its warm-ups: cuBLAS, cuDNN and a Triton kernel in this thread and in
+    more threads at once), and what `device_capacity` keeps back from the device for
+    one job at once."""
+    from wwrun.memory import allocator
+
+    allocator.install()
+    measured = allocator.measure_headroom()
+    print(json.dumps({**measured._asdict(), "kept_bytes": allocator.capacity_headroom(measured),
+                      "unforeseen_bytes": allocator.CAPACITY_HEADROOM_BYTES,
+                      "allocator": allocator.in_use(device)}))
+    return 0
+
+
+def build_parts(device: str, folder: str) -> int:
+    """wwrun's C++ parts that the steps on `device` use, built or loaded, each timed
+    (about 0 s when built before), and on CUDA the CUDA_HOME the build used."""
+    from wwrun import build
+
+    figures: dict = {"seconds": build.build_all(cuda=device.startswith("cuda"))}
+    if device.startswith("cuda"):
+        figures["cuda_home"], figures["cuda_home_found"] = build.cuda_home()
+    print(json.dumps(figures))
+    return 0
+
+
 _TEARDOWN_NOISE = ("terminate called", "CUDA error", "Segmentation fault", "Exception ignored")
 
 
@@ -399,10 +490,19 @@ def clean_exit(device: str, folder: str) -> int:
     return 0
 
 
+BUILD = Step("build", "wwrun's C++ parts, built or loaded", _in_child("build_parts"), allocator=None,
+             shown=("seconds.host", "seconds.cpu", "seconds.cuda", "seconds.rng", "cuda_home"))
+"""Run before the steps by every --full command (not one of STEPS): the time a
+fresh machine spends building is then measured inside the budget, and no step's
+duration or time limit includes it."""
+
 STEPS: list[Step] = [
-    Step("gpu-tests", "the GPU tests (pytest -m gpu)",
+    # test_allocator_cuda.py's tests each run a child on wwrun's allocator, as do the
+    # fresh_process tests; the rest (engine, offload, kernels, rng) run in pytest's
+    # process on PyTorch's native allocator, and one on cudaMallocAsync.
+    Step("gpu-tests", "the GPU tests (pytest -m gpu): wwrun's allocator and PyTorch's, each test asserting its own",
          _cuda_only(lambda d, t, o: _pytest("-m", "gpu", "--junitxml", str(o / "gpu-tests.xml"))), True,
-         estimate_s=(None, 240)),
+         allocator=MIXED, estimate_s=(None, 240)),
     Step("allocator", "allocator vs PyTorch's native and cudaMallocAsync allocators; host pairs/s",
          lambda d, t, o: _bench("allocator.py", "--repeats", "10", "--out", str(o / "allocator_gpu.json")), True,
          estimate_s=(20, 150),
@@ -419,6 +519,9 @@ STEPS: list[Step] = [
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
          _cuda_only(lambda d, t, o: _pytest("-k", "cudnn", file="test_allocator_cuda.py")), True,
          estimate_s=(None, 30)),
+    Step("headroom", "device memory outside the allocator (cuBLAS, cuDNN, Triton warm-ups in 3 threads)",
+         _cuda_only(_in_child("headroom")), estimate_s=(None, 30),
+         shown=("process_bytes", "per_thread_bytes", "stream_fixed_bytes", "kept_bytes")),
     Step("sweep-40", "40 jobs through the queue: own figures, no other job's bytes readable", _in_child("sweep"),
          estimate_s=(30, 120), shown=("succeeded", "with_own_peak", "foreign_marker_words")),
     Step("scrub", "bytes a job freed read as zero by the next owner",
@@ -440,12 +543,19 @@ def estimate(step: Step, device: str, measured: dict[str, float] | None = None) 
     return step.estimate_s[device.startswith("cuda")] or 0.0
 
 
+PLAN_MARGIN = 0.1
+"""Share of a budget a plan leaves free: estimates are guesses (the CUDA ones never
+measured) and a measured duration varies from run to run; a step still running at
+the budget's end is stopped, and its time is lost."""
+
+
 def plan(steps: list[Step], device: str, budget_s: float,
          measured: dict[str, float] | None = None) -> tuple[list[Step], list[Step]]:
     """(the steps to run now, the steps that remain): in order, each step whose
-    estimate fits in what the budget has left. The first step always runs, so that
-    every command makes progress, even with a step longer than the budget."""
-    now, later, left = [], [], budget_s
+    estimate fits in what the budget, less its margin, has left. The first step
+    always runs, so that every command makes progress, even with a step longer than
+    the budget."""
+    now, later, left = [], [], budget_s * (1 - PLAN_MARGIN)
     for step in steps:
         need = estimate(step, device, measured)
         if need <= left or not now:
@@ -474,7 +584,7 @@ def run_step(step: Step, device: str, limit_s: float, out: Path) -> Check:
     with tempfile.TemporaryDirectory(prefix=f"wwrun-doctor-{step.name}-") as tmp:
         command = step.command(device, Path(tmp), out)
         if command is None:
-            return Check(step.name, SKIP, f"no form on {device}: {step.what}")
+            return Check(step.name, SKIP, f"does not apply on {device}: {step.what}")
         start = time.monotonic()
         # Its own session, so that a hang is ended with everything the step started.
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -526,7 +636,7 @@ def full(device: str, steps: list[Step] | None = None, budget_s: float = FULL_LI
     for number, step in enumerate(steps if steps is not None else STEPS):
         left = deadline - time.monotonic()
         if left < 10:
-            yield Check(step.name, SKIP, f"{OUT_OF_TIME} (the budget is {budget_s:.0f} s)")
+            yield Check(step.name, SKIP, f"{OUT_OF_TIME} (the steps' budget is {budget_s:.0f} s)")
             continue
         limit = min(step_limit_s, left)
         with tempfile.TemporaryDirectory(prefix="wwrun-doctor-out-") as scratch:
@@ -646,18 +756,21 @@ def _terminated(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="wwrun doctor", description=__doc__.splitlines()[0],
-                     epilog=f"Offline (no package index): {OFFLINE_INSTALL}, or `python -m wwrun doctor` "
-                            "from the checkout without installing.")
+                     epilog=f"Offline (no package index): {OFFLINE_INSTALL} (needs {OFFLINE_INSTALL_NEEDS}), "
+                            "or `python -m wwrun doctor` from the checkout without installing.")
     parser.add_argument("--full", action="store_true", help="the whole proof, one subprocess per step")
     parser.add_argument("--out", type=Path, metavar="DIR", help="folder for --full's doctor.json and every artefact "
-                        "of its steps (default: a new folder in the system's temporary folder)")
+                        "of its steps (default: a new folder in the system's temporary folder); one that "
+                        "holds a doctor.json already is refused: go on with it with --resume DIR")
     parser.add_argument("--only", choices=[s.name for s in STEPS], help="with --full: run this step alone")
     parser.add_argument("--budget", type=_seconds, metavar="SECONDS",
-                        help="with --full: run the steps that fit in SECONDS (by their measured or "
-                             "estimated durations) and name the rest, for --resume")
+                        help="with --full: build wwrun's C++ parts, then run the steps that fit in what "
+                             "is left of SECONDS (by their measured or estimated durations, less a "
+                             f"{PLAN_MARGIN * 100:.0f}%% margin) and name the rest, for --resume")
     parser.add_argument("--resume", type=Path, metavar="DIR",
-                        help="go on with the --full run whose doctor.json is in DIR: only the steps "
-                             "not yet in it (implies --full and --out DIR)")
+                        help="go on with the --full run whose doctor.json is in DIR: run every step "
+                             "that has not passed there (never run, failed, hung, stopped at a budget's "
+                             "end, skipped), keep the passed ones (implies --full and --out DIR)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
     if args.resume is not None:
@@ -671,6 +784,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag} needs --full")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: not a folder")
+    if args.full and args.resume is None and args.out is not None and (args.out / RESULTS_FILE).exists():
+        # Writing over it would lose its steps; adding to it is what --resume does.
+        parser.error(f"--out {args.out}: it holds a {RESULTS_FILE} already; add to it with "
+                     f"--resume {args.out}, or choose another --out")
     import torch
 
     device = args.device
@@ -690,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tempfile.mkdtemp(prefix=f"wwrun-doctor-{stamp}-"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
+    started = time.monotonic()  # a --budget counts from here: the build is in it
     environment = check_environment(device)
     data = {**_versions(device), "commands": [], "date": None, "passed": True, "complete": False,
             "durations": {}, "remaining": [], "steps": [dataclasses.asdict(environment)]}
@@ -706,17 +824,25 @@ def main(argv: list[str] | None = None) -> int:
         if mismatch:
             parser.error(f"--resume {args.resume}: made with another {', '.join(mismatch)} "
                          f"({', '.join(str(data.get(k)) for k in mismatch)}); start a new --out")
-    done = {s["name"] for s in data["steps"]}
-    steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in done]
-    later: list[Step] = []
+    # A pass is kept; every other step runs (again): one that failed, hung, was
+    # stopped at a budget's end or never ran, and one skipped here before.
+    passed = {s["name"] for s in data["steps"] if s["verdict"] == PASS}
+    steps = [s for s in STEPS if (args.only is None or s.name == args.only) and s.name not in passed]
     budget = args.budget or FULL_LIMIT_S
-    if args.budget is not None:
-        steps, later = plan(steps, device, args.budget, data["durations"])
     data["commands"].append(command)
 
-    def save(checks_so_far: list[Check]) -> None:
-        names = {c.name for c in checks_so_far}
-        data["remaining"] = [s.name for s in STEPS if s.name not in done | names]
+    def record(check: Check) -> None:
+        """Its verdict in the JSON, in place of an earlier one of the same name."""
+        entry = dataclasses.asdict(check)
+        names = [s["name"] for s in data["steps"]]
+        if check.name in names:
+            data["steps"][names.index(check.name)] = entry
+        else:
+            data["steps"].append(entry)
+
+    def save() -> None:
+        have = {s["name"] for s in data["steps"]}
+        data["remaining"] = [s.name for s in STEPS if s.name not in have]
         data["complete"] = not data["remaining"]
         data["passed"] = not any(s["verdict"] == FAIL for s in data["steps"])
         data["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -726,29 +852,45 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(s.name) for s in STEPS)
     if args.resume is None:
         print(line(environment, width), flush=True)
-    if later:
-        print(f"within {budget:.0f} s: {', '.join(s.name for s in steps) or 'none'}; "
-              f"left for later: {', '.join(s.name for s in later)}", flush=True)
-    save([])
+    save()
     checks = [environment] if args.resume is None else []
+    if not steps:
+        print(f"nothing to run: {args.only or 'every step'} passed before", flush=True)
     main_thread = threading.current_thread() is threading.main_thread()
     # A command limit's SIGTERM (`timeout`) ends the running step too (run_step), as Ctrl-C does.
     before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        for check in full(device, steps, budget_s=budget, out=out):
+        if steps:  # the build first, inside the budget: on a fresh machine it takes a minute or more
+            build = run_step(BUILD, device, min(STEP_LIMIT_S, budget), out)
+            checks.append(build)
+            record(build)
+            save()
+            print(line(build, width), flush=True)
+            if build.verdict == FAIL:  # every step would fail on it: they remain for --resume
+                steps = []
+        left = budget - (time.monotonic() - started)
+        if args.budget is not None and steps:
+            steps, later = plan(steps, device, left, data["durations"])
+            if later:
+                print(f"within the {left:.0f} s left: {', '.join(s.name for s in steps)}; "
+                      f"left for later: {', '.join(s.name for s in later)}", flush=True)
+        for check in full(device, steps, budget_s=left, out=out):
             if check.seconds:  # also a step the budget stopped: it takes at least that long
                 data["durations"][check.name] = check.seconds
             if not (check.verdict == SKIP and check.detail.startswith(OUT_OF_TIME)):  # else it remains
                 checks.append(check)
-                data["steps"].append(dataclasses.asdict(check))
-            save(checks)  # after every step: a run killed later keeps this one
+                record(check)
+            save()  # after every step: a run killed later keeps this one
             print(line(check, width), flush=True)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, before)
     print(counts(checks))
-    if data["remaining"]:
-        print(f"remaining: {', '.join(data['remaining'])}; go on with: "
-              f"wwrun doctor --full --resume {out}" + (f" --budget {args.budget:g}" if args.budget else ""))
+    failed = [s["name"] for s in data["steps"] if s["verdict"] == FAIL and s["name"] in {t.name for t in STEPS}]
+    if data["remaining"] or failed:
+        todo = [f"{what}: {', '.join(names)}" for what, names in (("remaining", data["remaining"]),
+                                                                  ("failed", failed)) if names]
+        print(f"{'; '.join(todo)}; go on with: wwrun doctor --full --resume {out}"
+              + (f" --budget {args.budget:g}" if args.budget else ""))
     print(f"results: {path}")
     return 1 if any(c.verdict == FAIL for c in checks) else 0

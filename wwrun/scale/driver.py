@@ -413,6 +413,7 @@ class Driver:
         engines = [
             {"engine": e.index, "label": e.label, "host": e.info.get("host"), "pid": e.info.get("pid"),
              "device": e.info.get("device"), "memory_limit_bytes": e.info.get("capacity"),
+             "allocator": e.info.get("allocator"),
              "state": "died" if e.death else ("ended" if e.done else "running"), "error": e.death}
             for e in self.fleet.engines
         ]

@@ -3,7 +3,8 @@ or a Ray actor, each running one fed `wwrun.runner.Runner` (a whole wwrun engine
 
 Messages from an engine to the driver (tuples, first the kind):
 
-    ("ready", info)                      started: pid, host, device, capacity (bytes or None)
+    ("ready", info)                      started: pid, host, device, capacity (bytes or None),
+                                         allocator (the one serving its jobs)
     ("state", name, state, details)      a job's state changed; details: exit_code, error,
                                          started, ended, reason (what a queued or waiting
                                          job waits for), and at its end out_of_memory
@@ -71,7 +72,8 @@ class EngineCore:
 
         self.send(("ready", {
             "pid": os.getpid(), "host": socket.gethostname(), "device": self.runner.device,
-            "capacity": self.runner.memory.limit, "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "capacity": self.runner.memory.limit, "allocator": self.runner.memory.allocator,
+            "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "torch": torch.__version__,
         }))
         self._thread.start()

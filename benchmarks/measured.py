@@ -1,0 +1,22 @@
+"""Which allocator a benchmark's figures measured, from what each run recorded.
+
+Every wwrun run names the allocator that served its jobs (its report's and
+RunResult's `allocator`, from `wwrun.memory.allocator.in_use`; a scale-out run, each
+engine's). A benchmark checks that record against the allocator it claims to
+measure and writes it into its JSON: a run that fell back to PyTorch's allocator
+stops the benchmark instead of publishing PyTorch's figures as wwrun's (what
+`wwrun doctor` checks again for the benchmarks it runs).
+"""
+
+from __future__ import annotations
+
+WWRUN = "waterwave"  # wwrun's allocator, as `allocator.in_use` names it
+
+
+def measured_on(allocator_name: str | None, expected: str, what: str) -> str:
+    """The allocator a run recorded; an error when it is not the one it claims to
+    measure (a fallback would publish another allocator's figures as ours)."""
+    if allocator_name != expected:
+        raise RuntimeError(f"{what} ran on the {allocator_name!r} allocator, not {expected!r}: "
+                           "its figures would not be the ones it claims")
+    return allocator_name
