@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["BuildError", "build_all", "build_directory", "cuda_home", "load"]
+__all__ = ["BuildError", "build_directory", "cuda_home", "load"]
 
 WAIT_ENV = "WWRUN_BUILD_WAIT_S"
 DEFAULT_WAIT_S = 900.0  # a cold build takes about a minute, several on a loaded machine
@@ -121,24 +121,6 @@ def _key(sources: Sequence[Path], flags: Sequence[str], include_paths: Sequence[
     ):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def build_all(cuda: bool) -> dict[str, float]:
-    """Builds every C++ part of wwrun, or loads it where built before: the host and
-    CPU allocators, the per-job generators and, with `cuda`, the CUDA allocator.
-    Seconds each took, by part (about 0 for one built before). Raises BuildError."""
-    from wwrun import rng
-    from wwrun.memory import allocator
-
-    kinds = ["host", "cpu", "cuda"] if cuda else ["host", "cpu"]
-    parts = {kind: (lambda kind=kind: allocator._extension(kind)) for kind in kinds}
-    parts["rng"] = rng._build_extension
-    seconds = {}
-    for part, make in parts.items():
-        started = time.monotonic()
-        make()
-        seconds[part] = round(time.monotonic() - started, 2)
-    return seconds
 
 
 def build_directory(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags=(),

@@ -230,7 +230,8 @@ def _build(argv: list[str]) -> int:
     """`wwrun build`: build every C++ part this machine can use, ahead of a run."""
     import torch
 
-    from wwrun.build import BuildError, build_all
+    from wwrun.build import BuildError
+    from wwrun.parts import build_all
 
     _Parser(prog="wwrun build", description="Build wwrun's C++ parts against the installed torch, "
             "ahead of a run (for an image or a CI cache).").parse_args(argv)

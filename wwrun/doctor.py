@@ -466,9 +466,9 @@ def headroom(device: str, folder: str) -> int:
 def build_parts(device: str, folder: str) -> int:
     """wwrun's C++ parts that the steps on `device` use, built or loaded, each timed
     (about 0 s when built before), and on CUDA the CUDA_HOME the build used."""
-    from wwrun import build
+    from wwrun import build, parts
 
-    figures: dict = {"seconds": build.build_all(cuda=device.startswith("cuda"))}
+    figures: dict = {"seconds": parts.build_all(cuda=device.startswith("cuda"))}
     if device.startswith("cuda"):
         figures["cuda_home"], figures["cuda_home_found"] = build.cuda_home()
     print(json.dumps(figures))
