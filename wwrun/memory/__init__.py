@@ -37,7 +37,7 @@ the machine refusing a thread and taking the whole process down."""
 HOST_HEADROOM_MIN = 512 << 20
 
 OUTLIVED_NOTE_BYTES = 2 << 20
-"""Memory held for no live job beyond this (a page) is said once (Memory._replan)."""
+"""Memory held for no live job beyond this (a page) is said once (Memory._budget_now)."""
 
 
 def host_capacity() -> int:
@@ -150,8 +150,8 @@ class Memory:
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
         self._closed = False
         self.outlived_bytes = 0
-        """The most allocated bytes held for no live job at a job's end, beyond the
-        streams' fixed costs (`_replan`)."""
+        """The most bytes ended jobs still held as a job ended (`_budget_now`)."""
+        self._outlived_note: str | None = None
 
     # -- the run ------------------------------------------------------------------
     def _device_total(self) -> int:
@@ -359,9 +359,9 @@ class Memory:
         # workspaces, planned as fixed; a thread not yet marked) are not a job's leftovers.
         outlived = sum(figures["allocated_bytes"]["current"] for job, figures in stats["jobs"].items()
                        if job != "default" and job not in self._sessions)
-        if outlived > OUTLIVED_NOTE_BYTES >= self.outlived_bytes:  # said once
-            self._note(f"{format_size(outlived)} allocated by ended jobs is still held (a library's cache, "
-                       "a tensor kept in a process-wide object): the jobs plan within the rest")
+        if outlived > OUTLIVED_NOTE_BYTES >= self.outlived_bytes:  # said once, out of the engine's lock
+            self._outlived_note = (f"{format_size(outlived)} allocated by ended jobs is still held (a library's "
+                                   "cache, a tensor kept in a process-wide object): the jobs plan within the rest")
         self.outlived_bytes = max(self.outlived_bytes, outlived)
         return max(1, self.limit - self.fixed_bytes - outlived)
 
@@ -492,4 +492,7 @@ class JobMemory:
         # job's segments, the next job's first large request found the limit reached
         # and nobody left to wait for ("no free memory left" with 2 MiB reserved).
         if current and memory.engine is not None:
-            memory.engine.job_finished(self.name)
+            memory.engine.job_finished(self.name)  # measures what outlived it (_budget_now)
+            note, memory._outlived_note = memory._outlived_note, None
+            if note:
+                memory._note(note)
