@@ -45,6 +45,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import collections.abc
+import contextlib
 import ctypes
 import errno
 import gc
@@ -292,30 +293,30 @@ def close_interrupts(job: JobContext) -> None:
     with job.interrupt_lock:
         job.interrupts_open = False
         if job.thread_id is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(job.thread_id), None)
+            _set_async_exc(job.thread_id, None)
 
 
 def _interrupt_outside_locks(thread_id: int, exc, job: JobContext | None = None, force: bool = False) -> bool | None:
     """True once set; False if there is no such thread, or the job's interrupts are
     closed; None (nothing set) while it runs lock-taking code (unless `force`)."""
-    if job is None:
-        return _set_outside_locks(thread_id, exc, force)
-    with job.interrupt_lock:
-        return _set_outside_locks(thread_id, exc, force) if job.interrupts_open else False
+    with job.interrupt_lock if job is not None else contextlib.nullcontext():
+        if job is not None and not job.interrupts_open:
+            return False
+        if not force and _in_lock_code(thread_id):
+            return None
+        if _set_async_exc(thread_id, exc) == 0:
+            return False
+        if not force and _in_lock_code(thread_id):  # it got there between the look and the set: take it back
+            _set_async_exc(thread_id, None)
+            return None
+        return True
 
 
-def _set_outside_locks(thread_id: int, exc, force: bool) -> bool | None:
-    if force:
-        return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) != 0
-    if _in_lock_code(thread_id):
-        return None
-    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-    if set_async_exc(ctypes.c_ulong(thread_id), ctypes.py_object(exc)) == 0:
-        return False
-    if _in_lock_code(thread_id):  # it got there between the look and the set: take it back
-        set_async_exc(ctypes.c_ulong(thread_id), None)
-        return None
-    return True
+def _set_async_exc(thread_id: int, exc) -> int:
+    """Python's asynchronous exception for the thread (None: drop a pending one); the
+    number of threads it found."""
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), None if exc is None else ctypes.py_object(exc))
 
 
 def _interrupt_when_out(thread_id: int, exc, job: JobContext | None) -> None:
