@@ -84,17 +84,23 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::string why_not_wait;  // set when rule f finds a deadlock
   bool waited_for_reserving = false;
   Block* block = nullptr;
+  ZeroRuns zeroed_pages;  // pages of other jobs d mapped and zeroed for this request
   for (;;) {
     block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
 
-    // d. a new range, the usual size first, then the tightest one.
+    // d. a new range, the usual size first, then the tightest one. Idle pages
+    // before fresh ones (Note [Pages]): when the budget's free pages and those
+    // of ready free blocks cover the tightest range, it is made of them alone.
     const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
-    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job);
-    for (std::size_t bytes_of_range : {usual, tight}) {
+    const std::size_t tight_pages = tight / kPageBytes;
+    if (free_pages_.size() < tight_pages) cut_idle_pages(tight_pages - free_pages_.size(), job);
+    const std::size_t first = free_pages_.size() >= tight_pages ? tight : usual;
+    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job, zeroed_pages);
+    for (std::size_t bytes_of_range : {first, tight}) {
       if (block != nullptr) break;
-      block = new_range(lock, bytes_of_range, pool_index(size), stream, job);
-      if (block != nullptr || tight == usual) break;
+      block = new_range(lock, bytes_of_range, pool_index(size), stream, job, zeroed_pages);
+      if (block != nullptr || first == tight) break;
     }
     if (block != nullptr) {
       out.rule = kRuleD;
@@ -163,6 +169,10 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   // in carve, so the job's first kernel sees zeros. One range: a memset, not a
   // fused launch; ended jobs' blocks come clean already (Note [Batched scrub]).
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
+  char* const start = static_cast<char*>(out.ptr);
+  for (const auto& [at, length] : zeroed_pages) {
+    out.zeroed |= at < start + out.size && start < at + length;
+  }
   return out;
 }
 
@@ -290,8 +300,7 @@ bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
 // caller zeroes (on its stream, with the lock released) because they held
 // another job's data or are fresh pages the device does not zero.
 void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages, JobId job,
-                                    JobId& owner,
-                                    std::vector<std::pair<char*, std::size_t>>& zero_runs) {
+                                    JobId& owner, ZeroRuns& zero_runs) {
   const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     char* page = at + i * kPageBytes;
@@ -320,7 +329,7 @@ void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages
 // gets virtual room to grow into (grow_range). Pages holding another job's data
 // are zeroed on `stream`, and the range's block is pending behind that zeroing.
 Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
-                                      StreamId stream, JobId job) {
+                                      StreamId stream, JobId job, ZeroRuns& zeroed) {
   std::size_t room = kind == kLargePool ? bytes + std::min(bytes, kGrowBytes) : bytes;
   char* base = va_take(room);
   if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
@@ -336,7 +345,7 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
     throw;
   }
   JobId owner = kClean;
-  std::vector<std::pair<char*, std::size_t>> runs;
+  ZeroRuns runs;
   map_pages(base, pages, job, owner, runs);
   // Zeroed after the lock is released: the range is in no pool yet, so no
   // other thread can reach it.
@@ -344,6 +353,7 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
     lock.unlock();
     for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
     lock.lock();
+    zeroed.insert(zeroed.end(), runs.begin(), runs.end());
   }
   std::vector<PageHandle> handles;
   for (const FreePage& page : pages) handles.push_back(page.handle);
@@ -376,7 +386,8 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
 // returned in its pool. nullptr when no range can grow or the pages do not
 // suffice. While pages are made the block is held apart (marked allocated, in
 // no pool), so that nothing takes, merges or cuts it.
-Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
+Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job,
+                                       ZeroRuns& zeroed) {
   Block* tail = nullptr;
   std::size_t count = 0;
   for (auto& [base, segment] : segments_) {
@@ -407,7 +418,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
   }
   // The range may have been split meanwhile (cut_pages): the tail's is its own.
   Segment* segment = tail->segment;
-  std::vector<std::pair<char*, std::size_t>> runs;
+  ZeroRuns runs;
   if (got) {
     char* end = segment->base + segment->size;
     map_pages(end, pages, job, tail->owner, runs);
@@ -419,6 +430,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
       lock.unlock();
       for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
       lock.lock();
+      zeroed.insert(zeroed.end(), runs.begin(), runs.end());
     }
   }
   tail->allocated = false;
@@ -441,28 +453,37 @@ std::size_t MemoryFlowAllocator::whole_pages(const Block* block) {
 // others', largest first), then, if short, after waiting for the events of
 // pending ones. Returns the pages gained.
 std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, JobId job) {
+  std::size_t gained = cut_idle_pages(wanted, job);
+  // Recording lazily held events may alone make blocks ready: look again
+  // whether or not there was anything to wait for.
+  if (gained < wanted) {
+    wait_for_pending_pages(lock, std::nullopt);
+    gained += cut_idle_pages(wanted - gained, job);
+  }
+  return gained;
+}
+
+// At least `wanted` pages back to the budget, if ready free blocks hold them:
+// the job's own first, then clean ones, then others', largest first. Returns
+// the pages gained.
+std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job) {
+  process_events_locked();
+  std::vector<Block*> candidates;
+  for (Pool& kind : pools_) {
+    for (Block* block : kind.ready) {
+      if (whole_pages(block) > 0) candidates.push_back(block);
+    }
+  }
+  const auto rank = [job](const Block* block) {
+    return block->owner == job ? 0 : block->owner == kClean ? 1 : 2;
+  };
+  std::stable_sort(candidates.begin(), candidates.end(), [&](const Block* x, const Block* y) {
+    return rank(x) != rank(y) ? rank(x) < rank(y) : x->size > y->size;
+  });
   std::size_t gained = 0;
-  for (int pass = 0; pass < 2 && gained < wanted; ++pass) {
-    // Recording lazily held events may alone make blocks ready: look again
-    // whether or not there was anything to wait for.
-    if (pass == 1) wait_for_pending_pages(lock, std::nullopt);
-    process_events_locked();
-    std::vector<Block*> candidates;
-    for (Pool& kind : pools_) {
-      for (Block* block : kind.ready) {
-        if (whole_pages(block) > 0) candidates.push_back(block);
-      }
-    }
-    const auto rank = [job](const Block* block) {
-      return block->owner == job ? 0 : block->owner == kClean ? 1 : 2;
-    };
-    std::stable_sort(candidates.begin(), candidates.end(), [&](const Block* x, const Block* y) {
-      return rank(x) != rank(y) ? rank(x) < rank(y) : x->size > y->size;
-    });
-    for (Block* block : candidates) {
-      if (gained >= wanted) break;
-      gained += cut_pages(block);
-    }
+  for (Block* block : candidates) {
+    if (gained >= wanted) break;
+    gained += cut_pages(block);
   }
   if (gained > 0) {
     stats_.num_page_moves += static_cast<std::int64_t>(gained);

@@ -26,11 +26,13 @@
 //      blocks); among several, the oldest event first;
 //   d. for a large request, a range whose last block is free (and safe for S
 //      at once) grows in place by the pages it lacks; else a new range (the
-//      size class's usual size, else the tightest). Pages come from the
-//      budget's free pages first, then fresh from the device;
+//      size class's usual size, else the tightest; the tightest at once when
+//      idle pages cover it). Pages come from the budget's free pages first,
+//      then the whole pages of ready free blocks anywhere, then fresh from
+//      the device;
 //   e. the whole empty pages of free blocks in any job's ranges go back to the
-//      budget, those whose events completed first, then, waiting on the host
-//      for their own events, pending ones; then d is tried again. Last, a free
+//      budget: waiting on the host for the events of pending ones (and any
+//      block that became ready since d); then d is tried again. Last, a free
 //      block in the ranges of another size class, taken as in a-c (Note
 //      [Borrowing]);
 //   f. when other jobs are running and will free memory (set_expected_releases),
@@ -91,9 +93,11 @@
 //     once, a pending block's after the host waited for its event (unmapping
 //     memory the device still uses is undefined). The slivers either side stay.
 //   - empty pages stay mapped while nobody needs them (remapping is a driver
-//     call per page and, on the host, page faults): rule e runs when a request
-//     finds no block and no room for a new range, and empty_cache returns them
-//     to the device.
+//     call per page and, on the host, page faults), but a new range takes them
+//     before fresh ones (cut_idle_pages, in d): memory grows only when what is
+//     cached cannot serve, so reserved tracks what the jobs hold (it once rose
+//     to the limit with half of it idle in other ranges). Rule e adds
+//     pending blocks' pages, and empty_cache returns idle ones to the device.
 // Every byte of a ready free block's whole pages is usable by any job's
 // request before it waits (f) or fails (g); what no request can use is the
 // slivers smaller than a page at a range's free edges, and memory behind
@@ -464,12 +468,16 @@ class MemoryFlowAllocator {
   Block* take_free_block(Pool& pool, std::size_t size, StreamId stream, Allocation& out);
   Block* borrow_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
-  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
-  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
+  // Runs of pages zeroed on their way from one job to another: (start, bytes).
+  using ZeroRuns = std::vector<std::pair<char*, std::size_t>>;
+  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job,
+                   ZeroRuns& zeroed);
+  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job, ZeroRuns& zeroed);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
   void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
-                 std::vector<std::pair<char*, std::size_t>>& zero_runs);
+                 ZeroRuns& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
+  std::size_t cut_idle_pages(std::size_t wanted, JobId job);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   std::size_t cut_pages(Block* block);
   static std::size_t whole_pages(const Block* block);
