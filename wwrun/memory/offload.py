@@ -17,6 +17,8 @@ fit the budget still trains, unchanged and with the same losses.
     _Chunk       one packed buffer; its handles' first unpack in backward restores
                  it (one copy, triton_kernels.unpack) and prefetches the chunk saved
                  before it, so backward finds the next chunk on the device already
+    UnstashedMeter  the job's allocator meter as the engine reads it, which also
+                 keeps the most the job would have held with nothing offloaded
 
 Rules (in order):
 1. Only tensors that own their storage whole (contiguous, offset 0, the storage's
@@ -180,6 +182,7 @@ class JobOffload:
 
     name: str
     stashing: bool = False  # rule 3: once on, every pass of the job stashes
+    meter: UnstashedMeter | None = None  # told of every move to and from the host
     offloaded_bytes: int = 0
     fetched_bytes: int = 0
     fetch_stall_s: float = 0.0
@@ -193,6 +196,58 @@ class JobOffload:
             "fetched_bytes": self.fetched_bytes,
             "fetch_stall_s": round(self.fetch_stall_s, 6),
         }
+
+    def measure(self, meter: Callable[[bool], tuple[int, int]]) -> UnstashedMeter:
+        """The job's allocator meter, also weighing what the job would hold unstashed."""
+        self.meter = UnstashedMeter(meter)
+        return self.meter
+
+    def moved(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.moved(nbytes)
+
+
+class UnstashedMeter:
+    """A job's allocator meter, `meter(restart)` -> (bytes now, the most since the
+    last restart), read as before, that also keeps `peak`: the most the job would have
+    held with nothing offloaded, its bytes on the device plus those `away` on the host
+    (what the originals would have taken). The allocator's window is cut at every read
+    and every move, so that each stretch's most is added to the bytes away during it.
+    A stashed tensor still referenced elsewhere counts twice: the figure errs high."""
+
+    def __init__(self, meter: Callable[[bool], tuple[int, int]]):
+        self._meter = meter
+        self._lock = threading.Lock()  # reads come from the job's thread, backward's and the display's
+        self._window = 0  # the caller's window: the most since its last restart
+        self.away = 0  # bytes on the host neither fetched back nor dropped
+        self.peak = 0
+
+    def __call__(self, restart: bool = False) -> tuple[int, int]:
+        with self._lock:
+            now, window = self._cut()
+            if restart:
+                self._window = now
+            return now, window
+
+    def _cut(self) -> tuple[int, int]:
+        now, peak = self._meter(True)
+        self.peak = max(self.peak, peak + self.away)
+        self._window = max(self._window, peak)
+        return now, self._window
+
+    def moved(self, nbytes: int) -> None:
+        """`nbytes` went to the host (once their device memory is free), or came back
+        (negative: before their device memory is taken) or were dropped there."""
+        with self._lock:
+            self._cut()
+            self.away += nbytes
+
+    def restart_peak(self) -> int:
+        """`peak` so far; a new one starts from now (an iteration begins)."""
+        with self._lock:
+            now, _ = self._cut()
+            peak, self.peak = self.peak, now + self.away
+            return peak
 
 
 class Offloader:
@@ -327,6 +382,7 @@ class PassOffload:
         began = time.perf_counter()
         self.last = _Chunk(offloader, job, handles, buffer, free_after, self.last)
         offloader._span(job.name, "offload", began, time.perf_counter(), nbytes)
+        job.moved(nbytes)  # the chunk holds no device tensor of theirs now
         with job.lock:
             job.offloaded_bytes += nbytes
 
@@ -386,6 +442,7 @@ class _Chunk:
             if self.restored is not None:
                 return self.restored
             began = time.perf_counter()
+            self.job.moved(-self.nbytes)
             out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self.layouts]
             if self.stream is not None:
                 compute = torch.cuda.current_stream(out[0].device)
@@ -414,6 +471,8 @@ class _Chunk:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             self.offloader.pool.give(buffer, done)
+            if self.restored is None:  # never fetched: its graph went without a backward
+                self.job.moved(-self.nbytes)
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the buffer goes with it
             pass
 
