@@ -192,6 +192,25 @@ def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_pat
     assert capped.jobs[0].state == JobState.FAILED and capped.jobs[0].extra["offloaded_bytes"] == 0
 
 
+def test_a_job_that_fits_offloads_nothing_once_measured(tmp_path):
+    """Issue 23: auto offloads only where the job could not fit otherwise. This one
+    (claim ~13.2 MiB, ~15.3 MiB in all) fits 18 MiB: its profiled pass may stash on
+    trial, but once it is measured no step stashes, and the losses are never's."""
+    def run(mode, steps):
+        args = [*BIG, "--steps", str(steps)]
+        result = _run(tmp_path, [JobSpec(name="fits", script=SCRIPT, args=args)], memory_limit=18 * MiB,
+                      offload=mode)
+        assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
+        assert result.extra["peak_reserved_bytes"] <= 18 * MiB
+        return result.jobs[0]
+
+    never, profiled, steady = run("never", 4), run("auto", 1), run("auto", 4)
+    assert never.extra["offloaded_bytes"] == 0
+    assert steady.extra["offloaded_bytes"] == profiled.extra["offloaded_bytes"]  # none after the first step
+    assert steady.extra["fetched_bytes"] == steady.extra["offloaded_bytes"]
+    assert _output(steady) == _output(never)
+
+
 def test_the_unstashed_meter_counts_what_is_on_the_host_as_held():
     held, peak = [0], [0]
 

@@ -30,9 +30,13 @@ Rules (in order):
 2. A storage saved twice while alive (a layer's output is the next layer's input) is
    one entry: restored once.
 3. `always` stashes from the first pass. `auto` stashes once the job needs it: a
-   request of its can never be granted (the engine's `_start_offload`), or, while a
-   pass is profiled, its bytes above the pass start plus twice its largest one-module
-   growth reach PRESSURE of its room. From then on the job stashes in every pass.
+   request of its can never be granted (the engine's `_start_offload`); from then on
+   the job stashes in every pass. While a pass is profiled, auto also stashes once its
+   bytes above the pass start plus twice its largest one-module growth reach PRESSURE
+   of its room, but only for a trial (`provisional`): when the profiled iteration
+   ends, the engine weighs what the job would have held with nothing offloaded
+   (`UnstashedMeter`); a job that fits without offload stops stashing (the engine
+   profiles it again, unstashed), else it stashes from then on.
 4. Pending tensors are stashed once they hold `room / CHUNKS_PER_ROOM` bytes, a chunk
    closing at that size (or one tensor, if larger): backward holds about two chunks
    (the one in use and the one prefetched) besides the tail forward left on the device.
@@ -72,8 +76,9 @@ before triton is imported) rather than a plain copy: the same kernels a GPU runs
 ~0.4 s per MiB, for tests of the kernels' path."""
 
 PRESSURE = 0.75
-"""`auto` starts stashing in a profiled pass when the job's bytes above the pass
-start, plus twice its largest one-module growth, reach this share of its room."""
+"""`auto` starts stashing in a profiled pass, on trial, when the job's bytes above the
+pass start, plus twice its largest one-module growth, reach this share of its room:
+the rest is left for its backward, two chunks of which are back on the device."""
 
 
 # ---- host memory -----------------------------------------------------------------
@@ -182,6 +187,7 @@ class JobOffload:
 
     name: str
     stashing: bool = False  # rule 3: once on, every pass of the job stashes
+    provisional: bool = False  # stashing on trial, since pressure in a profiled pass (rule 3)
     meter: UnstashedMeter | None = None  # told of every move to and from the host
     offloaded_bytes: int = 0
     fetched_bytes: int = 0
@@ -357,7 +363,8 @@ class PassOffload:
         if not self.job.stashing:
             if self.held is None or self.held() + 2 * step < PRESSURE * self.room:
                 return
-            self.job.stashing = True  # rule 3: from now on, and in every later pass
+            # Rule 3: on trial, until the engine has weighed the profiled iteration.
+            self.job.stashing = self.job.provisional = True
         if self.pending_bytes >= self.chunk_bytes:
             self.stash()
 
