@@ -192,6 +192,52 @@ def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_pat
     assert capped.jobs[0].state == JobState.FAILED and capped.jobs[0].extra["offloaded_bytes"] == 0
 
 
+def test_a_job_that_fits_offloads_nothing_once_measured(tmp_path):
+    """Issue 23: auto offloads only where the job could not fit otherwise. This one
+    (claim ~13.2 MiB, ~15.3 MiB in all) fits 18 MiB: its profiled pass may stash on
+    trial, but once it is measured no step stashes, and the losses are never's."""
+    def run(mode, steps):
+        args = [*BIG, "--steps", str(steps)]
+        result = _run(tmp_path, [JobSpec(name="fits", script=SCRIPT, args=args)], memory_limit=18 * MiB,
+                      offload=mode)
+        assert result.jobs[0].state == JobState.SUCCEEDED, result.jobs[0].error
+        assert result.extra["peak_reserved_bytes"] <= 18 * MiB
+        return result.jobs[0]
+
+    never, profiled, steady = run("never", 4), run("auto", 1), run("auto", 4)
+    assert never.extra["offloaded_bytes"] == 0
+    assert steady.extra["offloaded_bytes"] == profiled.extra["offloaded_bytes"]  # none after the first step
+    assert steady.extra["fetched_bytes"] == steady.extra["offloaded_bytes"]
+    assert _output(steady) == _output(never)
+
+
+def test_the_unstashed_meter_counts_what_is_on_the_host_as_held():
+    held, peak = [0], [0]
+
+    def allocator_window(restart):
+        window = (held[0], max(peak[0], held[0]))
+        if restart:
+            peak[0] = held[0]
+        return window
+
+    def take(nbytes):
+        held[0] += nbytes
+        peak[0] = max(peak[0], held[0])
+
+    meter = offload.UnstashedMeter(allocator_window)
+    take(8)  # forward saves 8 bytes
+    take(-8)  # stashed: the device lets them go...
+    meter.moved(8)  # ...and the host holds them
+    take(4)  # forward saves 4 more
+    assert meter(restart=True) == (4, 8)  # the allocator's figures, as before
+    assert meter.peak == 12  # what the job would hold unstashed
+    meter.moved(-8)  # backward fetches them back
+    take(8)
+    assert meter(restart=False) == (12, 12) and meter.peak == 12
+    take(-12)
+    assert meter.restart_peak() == 12 and meter.peak == 0  # the next iteration starts from nothing
+
+
 @pytest.mark.parametrize("flags", [["--checkpoint"], ["--eval"], ["--shapes"], ["--thread"]])
 def test_offload_with_checkpointing_no_grad_passes_new_shapes_and_side_threads(tmp_path, flags):
     args = [*BIG, "--steps", "3", *flags]

@@ -68,8 +68,11 @@ Offload (wwrun/memory/offload.py; `offload` is never, auto or always): a job who
 request can never be granted (its claim beyond the budget less what stays) stashes
 what its passes save for backward in host memory instead of failing with JobTooLarge,
 and its requests are capped at that room; while a pass is profiled, auto watches the
-allocator's figure at each module call and starts stashing before the budget is
-reached. Such a pass keeps per-tensor saved-tensor hooks (no stand-ins).
+allocator's figure at each module call and starts stashing, on trial, before the
+budget is reached. When that iteration ends its claim as if nothing had been stashed
+decides: a job that fits without offload stops stashing and its stashed profiles are
+made again, unstashed (`_settle_offload`). Such a pass keeps per-tensor saved-tensor
+hooks (no stand-ins).
 
 Limitations: models first called after a job's first optimizer step are not found;
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
@@ -137,6 +140,9 @@ class _Model:
     plans: dict[tuple, Plan] = field(default_factory=dict)
     entries: set[str] = field(default_factory=set)  # names of modules that start a group
     evaluated: set[tuple] = field(default_factory=set)  # signatures of its measured no_grad passes
+    # Signatures profiled again with nothing stashed: their stashed profile showed the
+    # job fits without offload (Engine._settle_offload).
+    fits_unstashed: set[tuple] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -191,6 +197,8 @@ class _Job:
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
     claim: int = 0  # the most held above `baseline` over an iteration
+    unstashed_claim: int = 0  # the same, as if nothing had been offloaded (with an offload meter)
+    stashed_profiles: list[tuple[_Model, tuple]] = field(default_factory=list)  # measured stashing on trial
     step_need: int = 0  # the most held above `baseline` from backward's end through the step
     backward: Plan | None = None  # the measured plan whose backward is in progress (_measure_backward)
     iter_peak: int = 0  # the most held since `baseline` was taken
@@ -319,6 +327,8 @@ class Engine:
             self._jobs[name] = job
             if self._offloader is not None:
                 self._offloader.forget(name)
+            if job.meter is not None and self.capacity is not None and self.offloader is not None:
+                job.meter = self.offloader.job(name).measure(job.meter)
             self.timeline.track(name)
             self.scheduler.enqueue(name, priority)
             waited_from = time.perf_counter()
@@ -543,10 +553,10 @@ class Engine:
                 self.scheduler.settle(job.name)
                 self._cond.notify_all()
         signature = _signature(args, kwargs)
-        plan = model.plans.get(signature)
         now = time.perf_counter()
         self._iteration_begins(job)
         self._end_profile(job)  # a profiled iteration without an optimizer step ends here
+        plan = model.plans.get(signature)  # after _end_profile: it may drop a stashed profile
         job.current = current = _Pass(model, signature, plan, began=now, group_started=now)
         job.passes += 1
         try:
@@ -607,7 +617,8 @@ class Engine:
     def _end_pass(self, job: _Job, failed: bool) -> None:
         current, now = job.current, time.perf_counter()
         job.current = None
-        current.offload = None  # forward is over: what it left on the device stays for backward
+        # Forward is over: what it left on the device stays for backward.
+        offload, current.offload = current.offload, None
         # Saved-tensor hooks are per thread: a job abandoned mid-forward is ended from
         # the launcher's thread, whose stack does not hold them (torch asserts).
         if current.saved_hooks is not None and current.hooks_thread == threading.get_ident():
@@ -617,6 +628,8 @@ class Engine:
         with self._cond:
             if current.plan is None and not failed:
                 self._finish_profile(job, current)
+                if offload is not None and offload.job.provisional:
+                    job.stashed_profiles.append((current.model, current.signature))
             elif current.plan is None:
                 self.scheduler.abort_profile(job.name)
             self.scheduler.add_service(job.name, now - current.began)
@@ -727,6 +740,7 @@ class Engine:
         if job.profile_claim is None:
             return
         with self._cond:
+            self._settle_offload(job)
             claim, job.profile_claim = job.profile_claim, None
             if job.meter is not None:
                 claim = max(claim, job.claim)
@@ -896,20 +910,52 @@ class Engine:
         offload = self.offloader.job(job.name)
         if offload.stashing and want <= room and (state.claim or 0) <= room:
             return False
-        offload.stashing = True
+        offload.stashing, offload.provisional = True, False
         if state.claim is not None:
             state.claim = min(state.claim, room)
         return True
 
     def _begin_offload(self, job: _Job, current: _Pass):
         """A grad pass's offload: stashing (always, or a job that needs it), watching
-        (auto, a profiled pass, with the allocator's figures), else None."""
+        (auto, a profiled pass, with the allocator's figures; not where a stashed profile
+        of it showed the job fits), else None."""
         if self.capacity is None or self.offloader is None:
             return None
         watch = None
-        if current.plan is None and job.meter is not None and job.baseline is not None:
+        if (current.plan is None and job.meter is not None and job.baseline is not None
+                and current.signature not in current.model.fits_unstashed):
             watch = lambda: job.meter(False)[0] - job.baseline  # noqa: E731
         return self.offloader.begin_pass(job.name, self._offload_room(job), self.device, held=watch)
+
+    def _settle_offload(self, job: _Job) -> None:
+        """A profiled iteration is over. Where auto stashed in it on trial, what the job
+        would have held with nothing stashed decides: if that fits beside what stays,
+        the job stops stashing and the passes profiled stashing are profiled again
+        (their figures were lowered by the offload); else it stashes from now on."""
+        profiles, job.stashed_profiles = job.stashed_profiles, []
+        offload = self._offloader.job(job.name) if self._offloader is not None else None
+        if offload is None or not offload.provisional:
+            return
+        offload.provisional = False
+        now = job.meter(False)[0]
+        self._note_unstashed_claim(job, now, restart=False)
+        if max(job.persistent_peak, now) + job.unstashed_claim <= self.capacity:  # the scheduler's "fits alone"
+            offload.stashing = False
+            job.claim = max(job.claim, job.unstashed_claim)
+            for model, signature in profiles:
+                model.plans.pop(signature, None)
+                model.fits_unstashed.add(signature)
+
+    def _note_unstashed_claim(self, job: _Job, now: int, restart: bool) -> None:
+        """The iteration's claim as if nothing had been offloaded, where the job's
+        meter weighs it (`job.claim`'s twin)."""
+        offload = self._offloader.job(job.name) if self._offloader is not None else None
+        meter = offload.meter if offload is not None else None
+        if meter is None:
+            return
+        peak = meter.restart_peak() if restart else meter.peak
+        if job.baseline is not None:
+            job.unstashed_claim = max(job.unstashed_claim, self._above(job, peak, now))
 
     def _offload_report(self, name: str) -> dict:
         if self._offloader is None:
@@ -1141,6 +1187,7 @@ class Engine:
                 job.claim = max(job.claim, self._above(job, job.iter_peak, now))
                 if job.name in self.scheduler.jobs and self.scheduler.jobs[job.name].claim is not None:
                     self.scheduler.raise_claim(job.name, job.claim)
+            self._note_unstashed_claim(job, now, restart=True)  # and the new iteration's starts
             job.baseline = job.iter_peak = now
             if now > job.persistent_peak:
                 job.persistent_peak = now

@@ -17,6 +17,8 @@ fit the budget still trains, unchanged and with the same losses.
     _Chunk       one packed buffer; its handles' first unpack in backward restores
                  it (one copy, triton_kernels.unpack) and prefetches the chunk saved
                  before it, so backward finds the next chunk on the device already
+    UnstashedMeter  the job's allocator meter as the engine reads it, which also
+                 keeps the most the job would have held with nothing offloaded
 
 Rules (in order):
 1. Only tensors that own their storage whole (contiguous, offset 0, the storage's
@@ -28,9 +30,13 @@ Rules (in order):
 2. A storage saved twice while alive (a layer's output is the next layer's input) is
    one entry: restored once.
 3. `always` stashes from the first pass. `auto` stashes once the job needs it: a
-   request of its can never be granted (the engine's `_start_offload`), or, while a
-   pass is profiled, its bytes above the pass start plus twice its largest one-module
-   growth reach PRESSURE of its room. From then on the job stashes in every pass.
+   request of its can never be granted (the engine's `_start_offload`); from then on
+   the job stashes in every pass. While a pass is profiled, auto also stashes once its
+   bytes above the pass start plus twice its largest one-module growth reach PRESSURE
+   of its room, but only for a trial (`provisional`): when the profiled iteration
+   ends, the engine weighs what the job would have held with nothing offloaded
+   (`UnstashedMeter`); a job that fits without offload stops stashing (the engine
+   profiles it again, unstashed), else it stashes from then on.
 4. Pending tensors are stashed once they hold `room / CHUNKS_PER_ROOM` bytes, a chunk
    closing at that size (or one tensor, if larger): backward holds about two chunks
    (the one in use and the one prefetched) besides the tail forward left on the device.
@@ -70,8 +76,9 @@ before triton is imported) rather than a plain copy: the same kernels a GPU runs
 ~0.4 s per MiB, for tests of the kernels' path."""
 
 PRESSURE = 0.75
-"""`auto` starts stashing in a profiled pass when the job's bytes above the pass
-start, plus twice its largest one-module growth, reach this share of its room."""
+"""`auto` starts stashing in a profiled pass, on trial, when the job's bytes above the
+pass start, plus twice its largest one-module growth, reach this share of its room:
+the rest is left for its backward, two chunks of which are back on the device."""
 
 
 # ---- host memory -----------------------------------------------------------------
@@ -180,6 +187,8 @@ class JobOffload:
 
     name: str
     stashing: bool = False  # rule 3: once on, every pass of the job stashes
+    provisional: bool = False  # stashing on trial, since pressure in a profiled pass (rule 3)
+    meter: UnstashedMeter | None = None  # told of every move to and from the host
     offloaded_bytes: int = 0
     fetched_bytes: int = 0
     fetch_stall_s: float = 0.0
@@ -193,6 +202,58 @@ class JobOffload:
             "fetched_bytes": self.fetched_bytes,
             "fetch_stall_s": round(self.fetch_stall_s, 6),
         }
+
+    def measure(self, meter: Callable[[bool], tuple[int, int]]) -> UnstashedMeter:
+        """The job's allocator meter, also weighing what the job would hold unstashed."""
+        self.meter = UnstashedMeter(meter)
+        return self.meter
+
+    def moved(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.moved(nbytes)
+
+
+class UnstashedMeter:
+    """A job's allocator meter, `meter(restart)` -> (bytes now, the most since the
+    last restart), read as before, that also keeps `peak`: the most the job would have
+    held with nothing offloaded, its bytes on the device plus those `away` on the host
+    (what the originals would have taken). The allocator's window is cut at every read
+    and every move, so that each stretch's most is added to the bytes away during it.
+    A stashed tensor still referenced elsewhere counts twice: the figure errs high."""
+
+    def __init__(self, meter: Callable[[bool], tuple[int, int]]):
+        self._meter = meter
+        self._lock = threading.Lock()  # reads come from the job's thread, backward's and the display's
+        self._window = 0  # the caller's window: the most since its last restart
+        self.away = 0  # bytes on the host neither fetched back nor dropped
+        self.peak = 0
+
+    def __call__(self, restart: bool = False) -> tuple[int, int]:
+        with self._lock:
+            now, window = self._cut()
+            if restart:
+                self._window = now
+            return now, window
+
+    def _cut(self) -> tuple[int, int]:
+        now, peak = self._meter(True)
+        self.peak = max(self.peak, peak + self.away)
+        self._window = max(self._window, peak)
+        return now, self._window
+
+    def moved(self, nbytes: int) -> None:
+        """`nbytes` went to the host (once their device memory is free), or came back
+        (negative: before their device memory is taken) or were dropped there."""
+        with self._lock:
+            self._cut()
+            self.away += nbytes
+
+    def restart_peak(self) -> int:
+        """`peak` so far; a new one starts from now (an iteration begins)."""
+        with self._lock:
+            now, _ = self._cut()
+            peak, self.peak = self.peak, now + self.away
+            return peak
 
 
 class Offloader:
@@ -302,7 +363,8 @@ class PassOffload:
         if not self.job.stashing:
             if self.held is None or self.held() + 2 * step < PRESSURE * self.room:
                 return
-            self.job.stashing = True  # rule 3: from now on, and in every later pass
+            # Rule 3: on trial, until the engine has weighed the profiled iteration.
+            self.job.stashing = self.job.provisional = True
         if self.pending_bytes >= self.chunk_bytes:
             self.stash()
 
@@ -327,6 +389,7 @@ class PassOffload:
         began = time.perf_counter()
         self.last = _Chunk(offloader, job, handles, buffer, free_after, self.last)
         offloader._span(job.name, "offload", began, time.perf_counter(), nbytes)
+        job.moved(nbytes)  # the chunk holds no device tensor of theirs now
         with job.lock:
             job.offloaded_bytes += nbytes
 
@@ -386,6 +449,7 @@ class _Chunk:
             if self.restored is not None:
                 return self.restored
             began = time.perf_counter()
+            self.job.moved(-self.nbytes)
             out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self.layouts]
             if self.stream is not None:
                 compute = torch.cuda.current_stream(out[0].device)
@@ -414,6 +478,8 @@ class _Chunk:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             self.offloader.pool.give(buffer, done)
+            if self.restored is None:  # never fetched: its graph went without a backward
+                self.job.moved(-self.nbytes)
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the buffer goes with it
             pass
 
