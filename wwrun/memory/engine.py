@@ -939,7 +939,11 @@ class Engine:
         offload.provisional = False
         now = job.meter(False)[0]
         self._note_unstashed_claim(job, now, restart=False)
-        if max(job.persistent_peak, now) + job.unstashed_claim <= self.capacity:  # the scheduler's "fits alone"
+        # The scheduler's "fits alone", with room for the job's largest block in one
+        # piece and a page's sub-page tails: without it, a job whose bytes just fit
+        # lost the pieces' race (the quickstart's transformer at 1.15x its peak).
+        headroom = SHARING_HEADROOM + (self._largest_block(job.name) if self._largest_block else 0)
+        if max(job.persistent_peak, now) + job.unstashed_claim + headroom <= self.capacity:
             offload.stashing = False
             job.claim = max(job.claim, job.unstashed_claim)
             for model, signature in profiles:
