@@ -84,7 +84,6 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::string why_not_wait;  // set when rule f finds a deadlock
   bool waited_for_reserving = false;
   Block* block = nullptr;
-  ZeroRuns zeroed_pages;  // pages of other jobs d mapped and zeroed for this request
   for (;;) {
     block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
@@ -96,10 +95,10 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     const std::size_t tight_pages = tight / kPageBytes;
     if (free_pages_.size() < tight_pages) cut_idle_pages(tight_pages - free_pages_.size(), job);
     const std::size_t first = free_pages_.size() >= tight_pages ? tight : usual;
-    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job, zeroed_pages);
+    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job);
     for (std::size_t bytes_of_range : {first, tight}) {
       if (block != nullptr) break;
-      block = new_range(lock, bytes_of_range, pool_index(size), stream, job, zeroed_pages);
+      block = new_range(lock, bytes_of_range, pool_index(size), stream, job);
       if (block != nullptr || first == tight) break;
     }
     if (block != nullptr) {
@@ -169,10 +168,6 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   // in carve, so the job's first kernel sees zeros. One range: a memset, not a
   // fused launch; ended jobs' blocks come clean already (Note [Batched scrub]).
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
-  char* const start = static_cast<char*>(out.ptr);
-  for (const auto& [at, length] : zeroed_pages) {
-    out.zeroed |= at < start + out.size && start < at + length;
-  }
   return out;
 }
 
@@ -329,7 +324,7 @@ void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages
 // gets virtual room to grow into (grow_range). Pages holding another job's data
 // are zeroed on `stream`, and the range's block is pending behind that zeroing.
 Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
-                                      StreamId stream, JobId job, ZeroRuns& zeroed) {
+                                      StreamId stream, JobId job) {
   std::size_t room = kind == kLargePool ? bytes + std::min(bytes, kGrowBytes) : bytes;
   char* base = va_take(room);
   if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
@@ -353,7 +348,6 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
     lock.unlock();
     for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
     lock.lock();
-    zeroed.insert(zeroed.end(), runs.begin(), runs.end());
   }
   std::vector<PageHandle> handles;
   for (const FreePage& page : pages) handles.push_back(page.handle);
@@ -386,8 +380,7 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
 // returned in its pool. nullptr when no range can grow or the pages do not
 // suffice. While pages are made the block is held apart (marked allocated, in
 // no pool), so that nothing takes, merges or cuts it.
-Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job,
-                                       ZeroRuns& zeroed) {
+Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
   Block* tail = nullptr;
   std::size_t count = 0;
   for (auto& [base, segment] : segments_) {
@@ -430,7 +423,6 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
       lock.unlock();
       for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
       lock.lock();
-      zeroed.insert(zeroed.end(), runs.begin(), runs.end());
     }
   }
   tail->allocated = false;

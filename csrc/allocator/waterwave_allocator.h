@@ -470,9 +470,8 @@ class MemoryFlowAllocator {
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
   // Runs of pages zeroed on their way from one job to another: (start, bytes).
   using ZeroRuns = std::vector<std::pair<char*, std::size_t>>;
-  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job,
-                   ZeroRuns& zeroed);
-  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job, ZeroRuns& zeroed);
+  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
+  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
   void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
                  ZeroRuns& zero_runs);
