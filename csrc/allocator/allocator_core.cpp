@@ -441,9 +441,8 @@ std::size_t MemoryFlowAllocator::whole_pages(const Block* block) {
 }
 
 // Rule e: at least `wanted` pages back to the budget if free blocks hold them:
-// cut out of ready free blocks (the job's own first, then clean ones, then
-// others', largest first), then, if short, after waiting for the events of
-// pending ones. Returns the pages gained.
+// cut out of ready free blocks (cut_idle_pages), then, if short, after waiting
+// for the events of pending ones. Returns the pages gained.
 std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, JobId job) {
   std::size_t gained = cut_idle_pages(wanted, job);
   // Recording lazily held events may alone make blocks ready: look again

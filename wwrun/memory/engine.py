@@ -942,13 +942,19 @@ class Engine:
         # The scheduler's "fits alone", with room for the job's largest block in one
         # piece and a page's sub-page tails: without it, a job whose bytes just fit
         # lost the pieces' race (the quickstart's transformer at 1.15x its peak).
-        headroom = SHARING_HEADROOM + (self._largest_block(job.name) if self._largest_block else 0)
-        if max(job.persistent_peak, now) + job.unstashed_claim + headroom <= self.capacity:
+        fits = max(job.persistent_peak, now) + job.unstashed_claim + self._pieces_headroom(job, 1)
+        if fits <= self.capacity:
             offload.stashing = False
             job.claim = max(job.claim, job.unstashed_claim)
             for model, signature in profiles:
                 model.plans.pop(signature, None)
                 model.fits_unstashed.add(signature)
+
+    def _pieces_headroom(self, job: _Job, blocks: int) -> int:
+        """Free bytes the job needs beyond its bytes, under the allocator's pages: room
+        for `blocks` of its largest block in one piece, and a page (SHARING_HEADROOM)."""
+        largest = self._largest_block(job.name) if self._largest_block is not None else 0
+        return blocks * largest + SHARING_HEADROOM
 
     def _note_unstashed_claim(self, job: _Job, now: int, restart: bool) -> None:
         """The iteration's claim as if nothing had been offloaded, where the job's
@@ -1127,8 +1133,7 @@ class Engine:
                     self.scheduler.raise_claim(job.name, job.claim)
                 if job.name in self.scheduler.jobs:
                     if self._largest_block is not None:
-                        self.scheduler.set_headroom(
-                            job.name, HEADROOM_BLOCKS * self._largest_block(job.name) + SHARING_HEADROOM)
+                        self.scheduler.set_headroom(job.name, self._pieces_headroom(job, HEADROOM_BLOCKS))
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
                     self.scheduler.settle(job.name)
                     self._cond.notify_all()  # a queued job may fit now
