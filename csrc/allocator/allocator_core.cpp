@@ -88,19 +88,12 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
     if (block != nullptr) break;
 
-    // d. a new range, the usual size first, then the tightest one. Idle pages
-    // before fresh ones (Note [Pages]): when the budget's free pages and those
-    // of ready free blocks cover the tightest range, it is made of them alone.
-    const std::size_t usual = segment_size(size), tight = tight_segment_size(size);
-    const std::size_t tight_pages = tight / kPageBytes;
-    if (free_pages_.size() < tight_pages) cut_idle_pages(tight_pages - free_pages_.size(), job);
-    const std::size_t first = free_pages_.size() >= tight_pages ? tight : usual;
-    if (pool_index(size) == kLargePool) block = grow_range(lock, size, stream, job);
-    for (std::size_t bytes_of_range : {first, tight}) {
-      if (block != nullptr) break;
-      block = new_range(lock, bytes_of_range, pool_index(size), stream, job);
-      if (block != nullptr || first == tight) break;
-    }
+    // d. a range grown in place, else a new one of the pages the request needs
+    // (Note [Pages]). Idle pages before fresh ones.
+    const std::size_t pages = range_bytes(size) / kPageBytes;
+    if (free_pages_.size() < pages) cut_idle_pages(pages - free_pages_.size(), job);
+    block = grow_range(lock, size, stream, job);
+    if (block == nullptr) block = new_range(lock, size, stream, job);
     if (block != nullptr) {
       out.rule = kRuleD;
       break;
@@ -108,7 +101,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
     // e. empty pages anywhere back to the budget, then d again (Note [Pages]).
     // Each pass that gains pages loops; one that gains none goes on to f.
-    const std::size_t needed = tight / kPageBytes;
+    const std::size_t needed = pages;
     std::size_t room = free_pages_.size();
     if (options_.reserved_limit != 0) {
       const std::size_t held = static_cast<std::size_t>(stats_.reserved_bytes.current) +
@@ -319,13 +312,15 @@ void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages
   }
 }
 
-// Rule d: a range of `bytes` for a request of `job` on `stream` (take_pages);
-// nullptr, with nothing changed, when the pages do not suffice. A large range
-// gets virtual room to grow into (grow_range). Pages holding another job's data
-// are zeroed on `stream`, and the range's block is pending behind that zeroing.
-Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex kind,
-                                      StreamId stream, JobId job) {
-  std::size_t room = kind == kLargePool ? bytes + std::min(bytes, kGrowBytes) : bytes;
+// Rule d: a range of the pages a request of `size` needs, for `job` on `stream`
+// (take_pages); nullptr, with nothing changed, when the pages do not suffice.
+// It gets virtual room to grow into (grow_range): its class's (range_room), at
+// least as much again as its pages. Pages holding another job's data are
+// zeroed on `stream`, and the range's block is pending behind that zeroing.
+Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
+  const std::size_t bytes = range_bytes(size);
+  const PoolIndex kind = pool_index(size);
+  std::size_t room = std::max(range_room(size), bytes + std::min(bytes, kGrowBytes));
   char* base = va_take(room);
   if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
   if (base == nullptr) return nullptr;
@@ -374,9 +369,9 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t bytes, PoolIndex k
   return block;
 }
 
-// Rule d, first for a large request: a large range whose last block is free
-// and safe for `stream` at once (ready, or last used on it) grows in place by
-// the pages the request lacks, mapped in its virtual room; the grown block is
+// Rule d, first: a range of the request's class whose last block is free and
+// safe for `stream` at once (ready, or last used on it) grows in place by the
+// pages the request lacks, mapped in its virtual room; the grown block is
 // returned in its pool. nullptr when no range can grow or the pages do not
 // suffice. While pages are made the block is held apart (marked allocated, in
 // no pool), so that nothing takes, merges or cuts it.
@@ -384,7 +379,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
   Block* tail = nullptr;
   std::size_t count = 0;
   for (auto& [base, segment] : segments_) {
-    if (segment->pool != kLargePool) continue;
+    if (segment->pool != pool_index(size)) continue;
     Block* last = segment->head;
     while (last->next != nullptr) last = last->next;
     if (!is_idle_free(last) || (last->event != nullptr && last->stream != stream)) continue;
@@ -633,7 +628,7 @@ bool MemoryFlowAllocator::release_free_reservations() {
   return released;
 }
 
-// The virtual room large ranges keep to grow into, given back where it ends
+// The virtual room ranges keep to grow into, given back where it ends
 // their reservation (the host's: a reservation per range): room is a luxury,
 // address space for a range is not. True if any was given back.
 bool MemoryFlowAllocator::trim_growth_room() {
@@ -685,7 +680,7 @@ void MemoryFlowAllocator::va_give(char* base, std::size_t bytes) {
 Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t requested,
                                   StreamId stream, JobId job, Allocation& out) {
   EventRef* event = block->event;
-  if (should_split(block->size, size)) {
+  if (should_split(block->size, size, block->next == nullptr)) {
     auto* rest = new Block;
     rest->ptr = block->ptr + size;
     rest->size = block->size - size;

@@ -1,7 +1,8 @@
-// Size classes: how a request is rounded, how big a new segment is, and when a
-// free block is split. The numbers follow c10's CUDACachingAllocator, whose
-// choices are tuned for the same workloads (many small activations, few large
-// weights and workspaces).
+// Size classes: how a request is rounded, how many pages a new range maps for it
+// and how far the range may grow, and when a free block is split. The numbers
+// follow c10's CUDACachingAllocator, whose choices are tuned for the same
+// workloads (many small activations, few large weights and workspaces); ranges
+// that map pages on demand are its expandable segments.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +23,11 @@ inline std::size_t round_size(std::size_t bytes) {
   return (bytes + kBlockAlignBytes - 1) / kBlockAlignBytes * kBlockAlignBytes;
 }
 
-inline std::size_t segment_size(std::size_t rounded) {
+// The virtual room a new range keeps for the requests of its class: c10's
+// segment sizes. A range maps only the pages its requests need (range_bytes)
+// and grows into this room as they come; at 32 MiB, a 20 MiB segment made at
+// once for one 3 MiB request was 62% of the budget.
+inline std::size_t range_room(std::size_t rounded) {
   if (rounded <= kSmallRequestBytes) return kSmallSegmentBytes;
   if (rounded < kMediumRequestBytes) return kMediumSegmentBytes;
   return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
@@ -43,9 +48,8 @@ inline PoolIndex pool_index(std::size_t rounded) {
   return rounded <= kSmallRequestBytes ? kSmallPool : kLargePool;
 }
 
-// The smallest segment for a request, tried when the usual one does not fit
-// under the device's limit or in its free memory.
-inline std::size_t tight_segment_size(std::size_t rounded) {
+// The pages a new range maps for a request: its size in whole pages.
+inline std::size_t range_bytes(std::size_t rounded) {
   if (rounded <= kSmallRequestBytes) return kSmallSegmentBytes;
   return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
          kLargeSegmentRoundBytes;
@@ -53,11 +57,13 @@ inline std::size_t tight_segment_size(std::size_t rounded) {
 
 // A block larger than the request is split when the remainder is worth keeping:
 // any remainder for small requests, more than a small request for large ones
-// (so large blocks are not shredded into slivers; c10 does the same).
-inline bool should_split(std::size_t block, std::size_t rounded) {
+// (so large blocks are not shredded into slivers; c10 does the same), and any
+// remainder at a range's end, which the range grows from (rule d): a request a
+// little over 1 MiB in a range of one page would otherwise hold the whole page.
+inline bool should_split(std::size_t block, std::size_t rounded, bool ends_range) {
   std::size_t remainder = block - rounded;
-  return rounded <= kSmallRequestBytes ? remainder >= kBlockAlignBytes
-                                       : remainder > kSmallRequestBytes;
+  return rounded <= kSmallRequestBytes || ends_range ? remainder >= kBlockAlignBytes
+                                                     : remainder > kSmallRequestBytes;
 }
 
 }  // namespace wwrun::alloc

@@ -24,10 +24,10 @@
 //   c. a free block from another stream whose event is still pending: S is made
 //      to wait for that event on the device (cudaStreamWaitEvent; the host never
 //      blocks); among several, the oldest event first;
-//   d. for a large request, a range whose last block is free (and safe for S
-//      at once) grows in place by the pages it lacks; else a new range (the
-//      size class's usual size, else the tightest; the tightest at once when
-//      idle pages cover it). Pages come from the budget's free pages first,
+//   d. a range of the request's class whose last block is free (and safe for S
+//      at once) grows in place by the pages it lacks; else a new range of the
+//      pages the request needs, with its class's room to grow (size_classes.h:
+//      c10's expandable segments). Pages come from the budget's free pages first,
 //      then the whole pages of ready free blocks anywhere, then fresh from
 //      the device;
 //   e. the whole empty pages of free blocks in any job's ranges go back to the
@@ -83,10 +83,12 @@
 //     reservations the core makes): free pages of the budget
 //     first, wherever they came from, then fresh ones within the limit. A range
 //     is thus stitched from scattered pages, and a request fails only when the
-//     budget lacks pages, never because free memory is scattered. A large range
-//     keeps virtual room behind it: when its last block is free,
-//     it grows there (grow_range), so a request a little larger than that block
-//     takes it whole and adds only the pages it lacks.
+//     budget lacks pages, never because free memory is scattered. A range maps
+//     only the pages its request needs and keeps virtual room behind it: when
+//     its last block is free, it grows there (grow_range), so a request a little
+//     larger than that block takes it whole and adds only the pages it lacks,
+//     and blocks run on across page boundaries (three 0.56 MiB activations
+//     once held a 2 MiB page each, a third of a MiB left at its end).
 //   - rule e cuts the whole pages out of free blocks (cut_pages): the range is
 //     split around them, they are unmapped, and join the budget's free pages
 //     with their owner. Only once their last use completed: a ready block's at
@@ -470,7 +472,7 @@ class MemoryFlowAllocator {
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
   // Runs of pages zeroed on their way from one job to another: (start, bytes).
   using ZeroRuns = std::vector<std::pair<char*, std::size_t>>;
-  Block* new_range(Lock& lock, std::size_t bytes, PoolIndex kind, StreamId stream, JobId job);
+  Block* new_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
   Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
   void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
@@ -553,8 +555,8 @@ class MemoryFlowAllocator {
   // Virtual memory: reservations (at least Backend::va_arena_bytes each) by
   // base, and their unused parts by address (coalesced within a reservation,
   // never across two). A reservation wholly unused goes back to the backend.
-  // A large range's virtual room beyond its pages, to grow into (rule d): as
-  // much again as its pages, at most kGrowBytes.
+  // A range's virtual room beyond its pages, to grow into (rule d): its
+  // class's (range_room), at least as much again as its pages, at most kGrowBytes.
   static constexpr std::size_t kGrowBytes = std::size_t{1} << 30;
   std::map<char*, std::size_t> arenas_;
   std::map<char*, std::size_t> free_va_;
