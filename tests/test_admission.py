@@ -48,19 +48,13 @@ def _all_finish_within(result, limit):
     assert result.extra["peak_reserved_bytes"] <= limit
 
 
-def _lose_nothing_but_to_sub_page_fragmentation(result, limit):
-    """Every job finishes, reserved never above the limit. A run where a job was lost
-    because its bytes were free but in pieces (sub-page fragmentation: at a budget of
-    a few dozen 2 MiB pages, small blocks of several jobs pin partly used pages, and a
-    request of a page or more finds no run of whole pages) is the allocator's open
-    part of issue 20: the test is then marked xfail (the other jobs' state after such
-    a loss is not the engine's plan either), and benchmarks/fragmentation.py counts
-    such losses. Any other loss fails the test."""
+def _lose_nothing(result, limit):
+    """Every job finishes and reserved never passes the limit; a lost job fails the
+    test with what lost it (admission: the jobs let in held more than the limit;
+    fragmentation: the bytes were free, not in one piece)."""
     assert result.extra["peak_reserved_bytes"] <= limit
     classify = _fragmentation().classify
     lost = {job.name: (classify(job.error, limit), job.error) for job in result.jobs if job.state.value != "succeeded"}
-    if any(kind == "fragmentation" for kind, _error in lost.values()):
-        pytest.xfail(f"sub-page fragmentation (issue 20): {sorted(lost)} lost, {lost}")
     assert not lost, lost
 
 
@@ -70,7 +64,7 @@ def test_the_quickstart_under_1_15x_its_largest_job_finishes(tmp_path):
     limit = int(1.15 * max(job.extra["peak_memory_bytes"] for job in alone.jobs))
     assert sum(job.extra["peak_memory_bytes"] for job in alone.jobs) > limit  # they must take turns
     result = _launch(load_recipe(recipe), tmp_path, policy="waterwave", memory_limit=limit)
-    _lose_nothing_but_to_sub_page_fragmentation(result, limit)
+    _lose_nothing(result, limit)
 
 
 def test_three_jobs_each_making_a_120mib_temporary_take_turns_under_200mib(tmp_path):
@@ -90,16 +84,14 @@ MIXES = [(32 * MiB, 0.02, 0), (32 * MiB, 0.10, 1), (32 * MiB, 0.25, 1), (128 * M
 @pytest.mark.parametrize("limit, fraction, seed", MIXES, ids=[f"{l >> 20}MiB-{f:.0%}-seed{s}" for l, f, s in MIXES])
 def test_random_oversubscribed_mixes_lose_no_job(tmp_path, limit, fraction, seed):
     """2 to 5 seeded MLPs, each fitting alone with a 20% margin, their summed peaks
-    1.3 to 3x the limit. A lost job fails the test, with what lost it (admission:
-    the jobs let in held more than the limit; fragmentation: the bytes were free,
-    not in one piece)."""
+    1.3 to 3x the limit. A lost job fails the test."""
     frag = _fragmentation()
     jobs = frag.mix(limit, fraction, seed)
     peaks = [frag.job_peak(*(int(args[args.index(flag) + 1]) for flag in ("--width", "--batch", "--depth")))
              for args in jobs]
     assert max(peaks) <= limit / frag.MARGIN and 1.3 * limit <= sum(peaks) <= 3 * limit
     result = _launch(_jobs(*[(frag.JOB_SCRIPT, args) for args in jobs]), tmp_path, memory_limit=limit)
-    _lose_nothing_but_to_sub_page_fragmentation(result, limit)
+    _lose_nothing(result, limit)
 
 
 def _busy_spans(trace: dict) -> dict[str, list[tuple[float, float]]]:
@@ -119,7 +111,7 @@ def test_a_small_job_runs_beside_a_large_one_when_it_fits(tmp_path):
     trace = tmp_path / "trace.json"
     result = _launch(load_recipe(CHECKOUT / "recipes" / "quickstart.yaml"), tmp_path,
                      memory_limit=40 * MiB, trace=str(trace))
-    _lose_nothing_but_to_sub_page_fragmentation(result, 40 * MiB)
+    _lose_nothing(result, 40 * MiB)
     spans = _busy_spans(json.loads(trace.read_text()))
     large = spans["char-transformer"]
     overlapping = [s for s in spans["mlp"] if any(s[0] < end and start < s[1] for start, end in large)]
