@@ -115,6 +115,12 @@ the other jobs' blocks (its next pass can reuse it, theirs cannot), and for the
 sub-page tails of its blocks' pages. Measured on benchmarks/fragmentation.py --quick
 (54 runs each): 1 block lost a job in 10 runs, 2 in 1, 3 in none."""
 
+BLOCK_PIECES_CAP = 2 * SHARING_HEADROOM
+"""The most of one block HEADROOM_BLOCKS counts. A range maps the pages its requests
+need and grows per stream (csrc/allocator), so a block of more than two pages
+strands at most the partly used pages at its ends, not its size: three whole 12 MiB
+activations kept 38 MiB of a 172 MiB budget free per job, and passes seldom overlapped."""
+
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
 
@@ -270,8 +276,9 @@ class Engine:
         self.device = device
         # Measured by the allocator, jobs that share the budget each keep a headroom
         # for what they leave free inside their own segments (fragmentation).
-        self.scheduler = Scheduler(capacity_bytes if self.gating else None, queue=queue,
-                                   headroom_per_job=SHARING_HEADROOM if meter is not None else 0)
+        self._in_pages = meter is not None  # the allocator's: it holds the budget in pages
+        self.scheduler = Scheduler(self._plannable(capacity_bytes) if self.gating else None, queue=queue,
+                                   headroom_per_job=SHARING_HEADROOM if self._in_pages else 0)
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._meter_of = meter
@@ -309,8 +316,15 @@ class Engine:
         with self._cond:
             self.capacity = capacity_bytes
             if self.gating:
-                self.scheduler.capacity = capacity_bytes
+                self.scheduler.capacity = self._plannable(capacity_bytes)
             self._cond.notify_all()  # more room, or a waiter that now never fits: look again
+
+    def _plannable(self, capacity_bytes: int | None) -> int | None:
+        """What the scheduler may plan for: under the allocator, whole pages (the
+        quickstart under 23.7 MiB planned 1.7 MiB no request could have)."""
+        if capacity_bytes is None or not self._in_pages:
+            return capacity_bytes
+        return max(SHARING_HEADROOM, capacity_bytes - capacity_bytes % SHARING_HEADROOM)
 
     def job_started(self, name: str, priority: int = 0) -> None:
         """In the job's thread, before its script runs; waits while the job does not
@@ -954,7 +968,7 @@ class Engine:
         """Free bytes the job needs beyond its bytes, under the allocator's pages: room
         for `blocks` of its largest block in one piece, and a page (SHARING_HEADROOM)."""
         largest = self._largest_block(job.name) if self._largest_block is not None else 0
-        return blocks * largest + SHARING_HEADROOM
+        return blocks * min(largest, BLOCK_PIECES_CAP) + SHARING_HEADROOM
 
     def _note_unstashed_claim(self, job: _Job, now: int, restart: bool) -> None:
         """The iteration's claim as if nothing had been offloaded, where the job's
