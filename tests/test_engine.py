@@ -557,22 +557,14 @@ def test_nodegroups_option_sets_the_number_of_groups(groups):
         Engine(None, "waterwave", nodegroups=0)
 
 
-def test_under_the_allocator_the_scheduler_plans_whole_pages_and_blocks_of_at_most_two():
-    """The allocator's budget is 2 MiB pages: 1.7 MiB of a 23.7 MiB limit is no request's.
-    A block of more than two pages strands at most the pages at its ends, so a job's
-    headroom counts each of its three largest blocks as at most two pages."""
+def test_under_the_allocator_the_scheduler_plans_whole_pages():
+    """The allocator's budget is 2 MiB pages: 1.7 MiB of a 23.7 MiB limit is no request's."""
     meter = lambda name: (lambda reset: (0, 0))  # noqa: E731 (the engine only checks it is there)
-    largest = {"small": 1 << 20, "large": 12 << 20}
-    engine = Engine(int(23.7 * 2**20), "waterwave", meter=meter, largest_block=largest.__getitem__)
+    engine = Engine(int(23.7 * 2**20), "waterwave", meter=meter)
     assert engine.scheduler.capacity == 22 << 20
     engine.set_capacity(40 << 20 | 12345)
     assert engine.scheduler.capacity == 40 << 20
     assert Engine(int(23.7 * 2**20), "waterwave").scheduler.capacity == int(23.7 * 2**20)  # not paged
-    job = type("Job", (), {})
-    job.name = "small"
-    assert engine._pieces_headroom(job, 3) == 3 * (1 << 20) + (2 << 20)
-    job.name = "large"
-    assert engine._pieces_headroom(job, 3) == 3 * (4 << 20) + (2 << 20)
 
 
 def test_an_evaluation_only_job_does_not_hold_back_the_queue():

@@ -115,12 +115,6 @@ the other jobs' blocks (its next pass can reuse it, theirs cannot), and for the
 sub-page tails of its blocks' pages. Measured on benchmarks/fragmentation.py --quick
 (54 runs each): 1 block lost a job in 10 runs, 2 in 1, 3 in none."""
 
-BLOCK_PIECES_CAP = 2 * SHARING_HEADROOM
-"""The most of one block HEADROOM_BLOCKS counts. A range maps the pages its requests
-need and grows per stream (csrc/allocator), so a block of more than two pages
-strands at most the partly used pages at its ends, not its size: three whole 12 MiB
-activations kept 38 MiB of a 172 MiB budget free per job, and passes seldom overlapped."""
-
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
 
@@ -968,7 +962,7 @@ class Engine:
         """Free bytes the job needs beyond its bytes, under the allocator's pages: room
         for `blocks` of its largest block in one piece, and a page (SHARING_HEADROOM)."""
         largest = self._largest_block(job.name) if self._largest_block is not None else 0
-        return blocks * min(largest, BLOCK_PIECES_CAP) + SHARING_HEADROOM
+        return blocks * largest + SHARING_HEADROOM
 
     def _note_unstashed_claim(self, job: _Job, now: int, restart: bool) -> None:
         """The iteration's claim as if nothing had been offloaded, where the job's
