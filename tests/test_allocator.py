@@ -806,18 +806,6 @@ def test_a_new_range_has_the_pages_its_request_needs_and_grows_from_its_rest():
     assert ranges(alloc) == [(first.ptr, 6 * MiB)]
 
 
-def test_a_range_grows_only_for_its_own_stream():
-    """Grown for any stream, one range held two jobs' blocks in turn, and each job's
-    frees left holes among the other's of no whole page. B's request beside A's
-    free range end makes B a range of its own."""
-    alloc = two_jobs()
-    first = alloc.alloc(3 * MiB, A)  # 2 pages, 1 MiB free at the end
-    got = alloc.alloc_traced(3 * MiB, B)
-    assert got.rule == "d" and not first <= got.ptr < first + 4 * MiB
-    assert sorted(size for _, size in ranges(alloc)) == [4 * MiB, 4 * MiB]
-    assert alloc.alloc_traced(3 * MiB, A).ptr == first + 3 * MiB  # A's grows for A
-
-
 def test_small_blocks_run_across_page_boundaries():
     """0.56 MiB activations fit a 2 MiB page three at a time, a third of a MiB
     left at its end: a small range grows as a large one does, so the next one
@@ -890,7 +878,7 @@ def test_pages_are_zeroed_across_jobs_and_not_within_one():
     assert own.rule == "d" and not own.zeroed
     assert alloc.stats()["device"]["scrubbed_bytes"] == 0
     alloc.free(own.ptr)
-    got = alloc.alloc_traced(18 * MiB + 1, B)  # a range of B's own, of A's pages and one more
+    got = alloc.alloc_traced(18 * MiB + 1, B)  # A's range grows by a page, for B
     assert alloc.read(got.ptr, got.size) == bytes(got.size)
     assert alloc.job_stats("B")["scrubbed_bytes"] >= 16 * MiB
 

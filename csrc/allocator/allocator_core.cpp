@@ -369,9 +369,9 @@ Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t size, StreamId str
   return block;
 }
 
-// Rule d, first: a range of `stream`'s, of the request's class, whose last block
-// is free and safe for `stream` at once (ready, or last used on it) grows in
-// place by the pages the request lacks, mapped in its virtual room; the grown block is
+// Rule d, first: a range of the request's class whose last block is free and
+// safe for `stream` at once (ready, or last used on it) grows in place by the
+// pages the request lacks, mapped in its virtual room; the grown block is
 // returned in its pool. nullptr when no range can grow or the pages do not
 // suffice. While pages are made the block is held apart (marked allocated, in
 // no pool), so that nothing takes, merges or cuts it.
@@ -379,7 +379,7 @@ Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId st
   Block* tail = nullptr;
   std::size_t count = 0;
   for (auto& [base, segment] : segments_) {
-    if (segment->pool != pool_index(size) || segment->stream != stream) continue;
+    if (segment->pool != pool_index(size)) continue;
     Block* last = segment->head;
     while (last->next != nullptr) last = last->next;
     if (!is_idle_free(last) || (last->event != nullptr && last->stream != stream)) continue;

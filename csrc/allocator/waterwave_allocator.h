@@ -24,10 +24,8 @@
 //   c. a free block from another stream whose event is still pending: S is made
 //      to wait for that event on the device (cudaStreamWaitEvent; the host never
 //      blocks); among several, the oldest event first;
-//   d. a range of S's of the request's class whose last block is free (and safe
-//      for S at once) grows in place by the pages it lacks (per stream, as c10's
-//      expandable segments: two jobs' blocks grown into one range left holes
-//      among each other's, of sub-page pieces); else a new range of the
+//   d. a range of the request's class whose last block is free (and safe for S
+//      at once) grows in place by the pages it lacks; else a new range of the
 //      pages the request needs, with its class's room to grow (size_classes.h:
 //      c10's expandable segments). Pages come from the budget's free pages first,
 //      then the whole pages of ready free blocks anywhere, then fresh from
