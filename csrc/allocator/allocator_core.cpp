@@ -101,7 +101,6 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
     // e. empty pages anywhere back to the budget, then d again (Note [Pages]).
     // Each pass that gains pages loops; one that gains none goes on to f.
-    const std::size_t needed = pages;
     std::size_t room = free_pages_.size();
     if (options_.reserved_limit != 0) {
       const std::size_t held = static_cast<std::size_t>(stats_.reserved_bytes.current) +
@@ -112,7 +111,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       stage = kRuleE;
       ++stats_.num_alloc_retries;
     }
-    if (harvest_pages(lock, needed > room ? needed - room : 1, job) > 0) continue;
+    if (harvest_pages(lock, pages > room ? pages - room : 1, job) > 0) continue;
     // Pages another thread is making a range of are neither free nor in a
     // range yet: its range's empty pages may be ours once it is in (bounded).
     if (reserving_bytes_ > 0 && !waited_for_reserving) {
@@ -137,13 +136,13 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     if (why_not_wait.empty()) {
       const std::size_t free_pages = free_whole_pages_locked();
       std::ostringstream why;
-      if (!within_reserved_limit(needed > free_pages ? (needed - free_pages) * kPageBytes : 0)) {
+      if (!within_reserved_limit(pages > free_pages ? (pages - free_pages) * kPageBytes : 0)) {
         why << "the device memory limit of "
             << format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) << " is reached";
       } else {
         why << "the device gave no more pages";
       }
-      why << " (it needs " << needed << " pages of " << format_bytes(kPageBytes) << "; "
+      why << " (it needs " << pages << " pages of " << format_bytes(kPageBytes) << "; "
           << free_pages << " reserved ones are free)";
       why_not_wait = why.str();
     }

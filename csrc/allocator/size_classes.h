@@ -23,6 +23,12 @@ inline std::size_t round_size(std::size_t bytes) {
   return (bytes + kBlockAlignBytes - 1) / kBlockAlignBytes * kBlockAlignBytes;
 }
 
+// The pages a new range maps for a request: its size in whole pages.
+inline std::size_t range_bytes(std::size_t rounded) {
+  return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
+         kLargeSegmentRoundBytes;
+}
+
 // The virtual room a new range keeps for the requests of its class: c10's
 // segment sizes. A range maps only the pages its requests need (range_bytes)
 // and grows into this room as they come; at 32 MiB, a 20 MiB segment made at
@@ -30,8 +36,7 @@ inline std::size_t round_size(std::size_t bytes) {
 inline std::size_t range_room(std::size_t rounded) {
   if (rounded <= kSmallRequestBytes) return kSmallSegmentBytes;
   if (rounded < kMediumRequestBytes) return kMediumSegmentBytes;
-  return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
-         kLargeSegmentRoundBytes;
+  return range_bytes(rounded);
 }
 
 // The pool a request is served from, and its segments' kind. Tiny requests
@@ -46,13 +51,6 @@ enum PoolIndex : std::uint8_t { kTinyPool = 0, kSmallPool = 1, kLargePool = 2, k
 inline PoolIndex pool_index(std::size_t rounded) {
   if (rounded <= kTinyRequestBytes) return kTinyPool;
   return rounded <= kSmallRequestBytes ? kSmallPool : kLargePool;
-}
-
-// The pages a new range maps for a request: its size in whole pages.
-inline std::size_t range_bytes(std::size_t rounded) {
-  if (rounded <= kSmallRequestBytes) return kSmallSegmentBytes;
-  return (rounded + kLargeSegmentRoundBytes - 1) / kLargeSegmentRoundBytes *
-         kLargeSegmentRoundBytes;
 }
 
 // A block larger than the request is split when the remainder is worth keeping:

@@ -102,7 +102,10 @@ WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
 
-SHARING_HEADROOM = 2 << 20
+PAGE_BYTES = 2 << 20
+"""The allocator's page (kPageBytes in csrc/allocator): it holds the budget in pages."""
+
+SHARING_HEADROOM = PAGE_BYTES
 """Bytes each job keeps free at least when jobs share the budget (one page: its
 partly used small segment), plus HEADROOM_BLOCKS of its largest block once the
 allocator has measured it."""
@@ -270,12 +273,11 @@ class Engine:
         self.device = device
         # Measured by the allocator, jobs that share the budget each keep a headroom
         # for what they leave free inside their own segments (fragmentation).
-        self._in_pages = meter is not None  # the allocator's: it holds the budget in pages
+        self._meter_of = meter  # the allocator's: then the budget is pages
         self.scheduler = Scheduler(self._plannable(capacity_bytes) if self.gating else None, queue=queue,
-                                   headroom_per_job=SHARING_HEADROOM if self._in_pages else 0)
+                                   headroom_per_job=SHARING_HEADROOM if meter is not None else 0)
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
-        self._meter_of = meter
         self._largest_block = largest_block
         self._offload_options = (offload, offload_limit)
         self._offloader = None  # made at first need (it imports Triton)
@@ -316,9 +318,9 @@ class Engine:
     def _plannable(self, capacity_bytes: int | None) -> int | None:
         """What the scheduler may plan for: under the allocator, whole pages (the
         quickstart under 23.7 MiB planned 1.7 MiB no request could have)."""
-        if capacity_bytes is None or not self._in_pages:
+        if capacity_bytes is None or self._meter_of is None:
             return capacity_bytes
-        return max(SHARING_HEADROOM, capacity_bytes - capacity_bytes % SHARING_HEADROOM)
+        return max(PAGE_BYTES, capacity_bytes - capacity_bytes % PAGE_BYTES)
 
     def job_started(self, name: str, priority: int = 0) -> None:
         """In the job's thread, before its script runs; waits while the job does not
