@@ -30,10 +30,11 @@ std::string format_bytes(std::int64_t bytes) {
 }  // namespace
 
 MemoryFlowAllocator::MemoryFlowAllocator(Backend& backend, Options options)
-    : backend_(backend), options_(options) {
+    : backend_(backend), options_(options), page_(backend.page_bytes()) {
   JobStats default_job;
   default_job.name = "default";
   jobs_.push_back(default_job);
+  pools_.emplace_back();
 }
 
 MemoryFlowAllocator::~MemoryFlowAllocator() {
@@ -47,8 +48,11 @@ MemoryFlowAllocator::~MemoryFlowAllocator() {
       delete block;
       block = next;
     }
-    backend_.page_unmap(segment->base, segment->size);
-    for (PageHandle page : segment->pages) backend_.page_release(page);
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      if (!segment->pages[i].mapped) continue;
+      backend_.page_unmap(segment->base + i * page_, page_);
+      backend_.page_release(segment->pages[i].handle);
+    }
     delete segment;
   }
   for (const FreePage& page : free_pages_) backend_.page_release(page.handle);
@@ -82,45 +86,26 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
   std::string why_not_wait;  // set when rule f finds a deadlock
-  bool waited_for_reserving = false;
   Block* block = nullptr;
+  std::size_t lacking = 0, spare = 0;  // at the latest try: pages missing, and free elsewhere
   for (;;) {
-    block = take_free_block(pool_for(size), size, stream, out);  // rules a, b, c
-    if (block != nullptr) break;
-
-    // d. a range grown in place, else a new one of the pages the request needs
-    // (Note [Pages]). Idle pages before fresh ones.
-    const std::size_t pages = range_bytes(size) / kPageBytes;
-    if (free_pages_.size() < pages) cut_idle_pages(pages - free_pages_.size(), job);
-    block = grow_range(lock, size, stream, job);
-    if (block == nullptr) block = new_range(lock, size, stream, job);
-    if (block != nullptr) {
+    block = take_free_block(pools_[job][pool_index(size)], size, stream, out);  // a, b, c
+    if (block == nullptr) {  // d. a range of the job's own (Note [Layouts])
+      block = new_range(size, stream, job);
+      if (block == nullptr) {
+        out_of_memory(job, bytes, size, "no virtual address space is left for a new range");
+      }
       out.rule = kRuleD;
-      break;
     }
-
-    // e. empty pages anywhere back to the budget, then d again (Note [Pages]).
-    // Each pass that gains pages loops; one that gains none goes on to f.
-    std::size_t room = free_pages_.size();
-    if (options_.reserved_limit != 0) {
-      const std::size_t held = static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                               reserving_bytes_;
-      if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / kPageBytes;
-    }
-    if (stage < kRuleE) {
-      stage = kRuleE;
-      ++stats_.num_alloc_retries;
-    }
-    if (harvest_pages(lock, pages > room ? pages - room : 1, job) > 0) continue;
-    // Pages another thread is making a range of are neither free nor in a
-    // range yet: its range's empty pages may be ours once it is in (bounded).
-    if (reserving_bytes_ > 0 && !waited_for_reserving) {
-      waited_for_reserving = true;
-      freed_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return reserving_bytes_ == 0; });
+    // d, e. the pages under it, then it is held apart for this request. One
+    // block at a time has pages mapped under it (map_under): another waits its
+    // turn, then looks again, as blocks may have come and gone.
+    if (mapping_ && lacks_pages(block, size)) {
+      freed_cv_.wait(lock, [&] { return !mapping_; });  // bounded: map_under's waits are
       continue;
     }
-    block = borrow_free_block(size, stream, out);
-    if (block != nullptr) break;
+    if (map_under(lock, block, size, stream, job, stage, lacking, spare, out)) break;
+
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
       stage = kRuleF;
@@ -131,18 +116,19 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     }
     if (wait_for_releases(lock, job, deadline, why_not_wait)) continue;
 
-    // g. Said as it is now: whole free pages (none can be cut out of a free
-    // block here, or e would have), and the limit if that is what stops d.
+    // g. Said as it was at the latest try: the pages the request lacked, the
+    // whole free pages beside those it had (the budget's and idle ones), and the
+    // limit if that is what stopped d.
     if (why_not_wait.empty()) {
-      const std::size_t free_pages = free_whole_pages_locked();
+      const std::size_t free_pages = spare;
       std::ostringstream why;
-      if (!within_reserved_limit(pages > free_pages ? (pages - free_pages) * kPageBytes : 0)) {
+      if (!within_reserved_limit(lacking > free_pages ? (lacking - free_pages) * page_ : 0)) {
         why << "the device memory limit of "
             << format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) << " is reached";
       } else {
         why << "the device gave no more pages";
       }
-      why << " (it needs " << pages << " pages of " << format_bytes(kPageBytes) << "; "
+      why << " (it needs " << lacking << " pages of " << format_bytes(page_) << "; "
           << free_pages << " reserved ones are free)";
       why_not_wait = why.str();
     }
@@ -151,14 +137,17 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
   // The lock may have been released above (d, e, f), and another thread of the
   // same job (e.g. the autograd thread) may have allocated meanwhile.
-  check_limit();
+  if (over_limit(job, size)) {
+    release_held(block);
+    check_limit();
+  }
   out.rule = static_cast<Rule>(std::max<int>(stage, out.rule));
   ++stats_.rule_count[out.rule];
   carve(block, size, bytes, stream, job, out);
   lock.unlock();
   // The block is ours alone now; zero it on our stream, after any wait issued
   // in carve, so the job's first kernel sees zeros. One range: a memset, not a
-  // fused launch; ended jobs' blocks come clean already (Note [Batched scrub]).
+  // fused launch. Only where the job is not provably one (Note [Side streams]).
   if (out.zeroed) backend_.memset_zero(out.ptr, out.size, stream);
   return out;
 }
@@ -170,51 +159,31 @@ bool MemoryFlowAllocator::within_reserved_limit(std::size_t segment_bytes) const
              options_.reserved_limit;
 }
 
+// a, b: the tighter of the best-fitting block last used on `stream` and the
+// best-fitting ready one; then c.
 Block* MemoryFlowAllocator::take_free_block(Pool& pool, std::size_t size, StreamId stream,
                                             Allocation& out) {
-  // a. last used on this stream: stream order makes it safe at once.
-  auto own = pool.pending.find(stream);
-  if (own != pool.pending.end()) {
-    auto it = own->second.by_size.lower_bound(size);
-    if (it != own->second.by_size.end()) {
-      out.rule = kRuleA;
-      return *it;
-    }
+  process_pool_events(pool);
+  poll_deferred();
+  Block* own = nullptr;
+  auto pending = pool.pending.find(stream);
+  if (pending != pool.pending.end()) {
+    auto it = pending->second.by_size.lower_bound(size);
+    if (it != pending->second.by_size.end()) own = *it;
   }
-  // b. any block whose event completed.
-  process_events_locked();
   auto it = pool.ready.lower_bound(size);
-  if (it != pool.ready.end()) {
-    out.rule = kRuleB;
-    return *it;
+  Block* ready = it != pool.ready.end() ? *it : nullptr;
+  if (own != nullptr && (ready == nullptr || BlockBySize()(own, ready))) {
+    out.rule = kRuleA;
+    return own;
   }
-  // c. pending on another stream: the oldest event first.
+  if (ready != nullptr) {
+    out.rule = kRuleB;
+    return ready;
+  }
   Block* block = take_pending_from_other_streams(pool, size, stream);
   if (block != nullptr) out.rule = kRuleC;
   return block;
-}
-
-// Note [Borrowing]. Each size class keeps to its own ranges, so that long-lived
-// small blocks do not split the holes large requests need. But when no range
-// can be had (the limit is reached, and rule e found no whole page), a request
-// that fails while another class's range has a free block for it would fail a
-// job for the sake of tidiness: it takes that block (split; the rest stays in
-// its class), before any wait (rule f). Larger classes first; then smaller ones,
-// whose 2 MiB ranges, partly held by long-lived tiny blocks, may hold the rest
-// of the free memory in pieces too small for a page but not for the request.
-Block* MemoryFlowAllocator::borrow_free_block(std::size_t size, StreamId stream,
-                                              Allocation& out) {
-  const int own = pool_index(size);
-  for (int step = 1; step < kPoolCount; ++step) {
-    const int kind = own + step < kPoolCount ? own + step : kPoolCount - 1 - step;
-    if (kind < 0 || kind == own) continue;
-    Block* block = take_free_block(pools_[kind], size, stream, out);
-    if (block != nullptr) {
-      ++stats_.num_borrows;
-      return block;
-    }
-  }
-  return nullptr;
 }
 
 Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::size_t size,
@@ -232,7 +201,7 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
 }
 
 // ---------------------------------------------------------------------------
-// Pages (Note [Pages])
+// Ranges and pages (Note [Layouts])
 // ---------------------------------------------------------------------------
 
 // Whether a page (or block) holding `owner`'s data is zeroed for `job`: unless
@@ -240,6 +209,184 @@ Block* MemoryFlowAllocator::take_pending_from_other_streams(Pool& pool, std::siz
 // be any unregistered stream's).
 static bool needs_zeroing(JobId owner, JobId job) {
   return owner != kClean && (owner != job || job == kDefaultJob);
+}
+
+// Rule d: a new range of `job`'s for a request of `size`: virtual memory only,
+// one free block in the job's pool (its pages are mapped as blocks are handed
+// out). nullptr when no address space can be had.
+Block* MemoryFlowAllocator::new_range(std::size_t size, StreamId stream, JobId job) {
+  const std::size_t bytes = range_bytes(size, page_);
+  std::size_t room = std::max(range_room(size, page_), bytes + std::min(bytes, kGrowBytes));
+  char* base = va_take(room);
+  if (base == nullptr && room > bytes) base = va_take(room = bytes);
+  if (base == nullptr) {  // ranges nobody uses go first: a job's layout is kept while it can be
+    drop_unused_segments(true);
+    base = va_take(room);
+  }
+  if (base == nullptr) return nullptr;
+  auto* segment = new Segment;
+  segment->base = base;
+  segment->size = room;
+  segment->job = job;
+  segment->pool = pool_index(size);
+  segment->stream = stream;
+  segment->pages.resize(room / page_);
+  auto* block = new Block;
+  block->ptr = base;
+  block->size = room;
+  block->segment = segment;
+  block->stream = stream;
+  segment->head = block;
+  segments_.emplace(base, segment);
+  update_stat(stats_.segments, 1);
+  pool_of(block).ready.insert(block);
+  return block;
+}
+
+// Whether a page under the first `size` bytes of `block` is not mapped.
+bool MemoryFlowAllocator::lacks_pages(const Block* block, std::size_t size) const {
+  const Segment* segment = block->segment;
+  const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
+  for (std::size_t i = start / page_; i <= (start + size - 1) / page_; ++i) {
+    if (!segment->pages[i].mapped) return true;
+  }
+  return false;
+}
+
+// The slots of the pages under the first `size` bytes of `block` not mapped.
+std::vector<std::size_t> MemoryFlowAllocator::unmapped_slots(const Block* block,
+                                                             std::size_t size) const {
+  const Segment* segment = block->segment;
+  const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
+  std::vector<std::size_t> slots;
+  for (std::size_t i = start / page_; i <= (start + size - 1) / page_; ++i) {
+    if (!segment->pages[i].mapped) slots.push_back(i);
+  }
+  return slots;
+}
+
+// d, e: takes `block` out of its pool for a request of `size` (held apart:
+// marked allocated, so that nothing takes, merges or cuts it while the lock is
+// released) and maps the pages under the request's bytes that are not mapped.
+// True with the block held; false, with it back in its pool, `lacking` the
+// pages it needed and `spare` the whole free pages not under the request, when
+// they cannot be had. Pages are mapped under one block
+// at a time (`mapping_`, Note [Locking]): two held blocks sharing a page would
+// each map it, and each zero the other's bytes.
+bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, StreamId stream,
+                                    JobId job, int& stage, std::size_t& lacking,
+                                    std::size_t& spare, Allocation& out) {
+  const std::vector<std::size_t> slots = unmapped_slots(block, size);
+  lacking = slots.size();
+  unlink_free(block);
+  block->allocated = true;
+  if (slots.empty()) return true;
+  stage = std::max<int>(stage, kRuleD);
+  mapping_ = true;
+  std::vector<FreePage> pages;
+  bool got = false;
+  try {
+    // The budget's free pages, the block's own idle ones past the request, and
+    // ended jobs' idle pages before fresh ones (Note [Layouts]: no running job's
+    // cache moves while the device has room); at the limit, e.
+    if (free_pages_.size() < lacking) cut_pages_past(block, size);
+    if (free_pages_.size() < lacking) cut_idle_pages(lacking - free_pages_.size(), job, true);
+    while (!(got = take_pages(lock, lacking, job, pages))) {
+      // e. idle pages behind pending events too (the host waits), then d again.
+      if (stage < kRuleE) {
+        stage = kRuleE;
+        ++stats_.num_alloc_retries;
+      }
+      std::size_t room = free_pages_.size();
+      if (options_.reserved_limit != 0) {
+        const auto held = static_cast<std::size_t>(stats_.reserved_bytes.current);
+        if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / page_;
+      }
+      if (harvest_pages(lock, lacking > room ? lacking - room : 1, job) == 0) break;
+    }
+  } catch (...) {
+    end_mapping(block, false);
+    throw;
+  }
+  if (!got) {
+    spare = free_whole_pages_locked();
+    const std::size_t start = static_cast<std::size_t>(block->ptr - block->segment->base);
+    for (std::size_t i = start / page_; i <= (start + size - 1) / page_; ++i) {
+      const PageSlot& slot = block->segment->pages[i];
+      spare -= slot.mapped && slot.uses == 0;  // the request's own: not spare
+    }
+    end_mapping(block, false);
+    return false;
+  }
+  ZeroRuns runs;
+  map_pages(block, slots, pages, job, runs);
+  if (!runs.empty()) {
+    // The zeroed pages are written on `stream`: the blocks over them (the block,
+    // and free neighbours sharing a page with it) are held apart meanwhile and
+    // then pending there, behind it. Their bytes under a pending event on
+    // another stream are in other pages (these were unmapped), but that event
+    // is waited for, on the device, before the one recorded after the zeroing
+    // stands for both.
+    // (A block in scrub over such a page, of an ended job, is in no pool: its
+    // bytes there are only marked as not provably anyone's.)
+    std::vector<Block*> sharers;
+    const auto share = [&](Block* b) {
+      if (!is_idle_free(b)) {
+        b->owner = kMixed;
+      } else if (std::find(sharers.begin(), sharers.end(), b) == sharers.end()) {
+        sharers.push_back(b);
+      }
+    };
+    for (const auto& [at, length] : runs) {
+      for (Block* b = block->prev; b != nullptr && b->ptr + b->size > at; b = b->prev) share(b);
+      for (Block* b = block->next; b != nullptr && b->ptr < at + length; b = b->next) share(b);
+    }
+    for (Block* b : sharers) {
+      unlink_free(b);
+      b->allocated = true;
+    }
+    sharers.push_back(block);
+    for (Block* b : sharers) {
+      if (b->event == nullptr) {
+        count_pending(static_cast<std::int64_t>(b->size));
+        continue;
+      }
+      if (b->stream != stream && !is_complete(b->event)) {
+        backend_.stream_wait_event(stream, b->event->handle);
+        if (b == block) out.waited = true;
+      }
+      unref(b->event);
+      b->event = nullptr;
+    }
+    lock.unlock();
+    for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
+    lock.lock();
+    EventRef* event = new_event(stream);
+    event->refs = 0;
+    for (Block* b : sharers) {
+      b->event = event;
+      ++event->refs;
+      b->stream = stream;
+      if (b == block) continue;
+      b->allocated = false;
+      relink_free(b);
+    }
+  }
+  end_mapping(block, true);
+  return true;
+}
+
+// map_under is done: others may map pages; the block stays held, or goes back.
+void MemoryFlowAllocator::end_mapping(Block* block, bool keep) {
+  mapping_ = false;
+  freed_cv_.notify_all();
+  if (!keep) release_held(block);
+}
+
+// A block map_under held apart goes back to its pool as it was.
+void MemoryFlowAllocator::release_held(Block* block) {
+  block->allocated = false;
+  relink_free(block);
 }
 
 // `count` pages for `job`: the budget's free pages first (the job's own and
@@ -250,7 +397,7 @@ bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
                                      std::vector<FreePage>& pages) {
   const std::size_t reused = std::min(count, free_pages_.size());
   const std::size_t fresh = count - reused;
-  if (fresh > 0 && !within_reserved_limit(fresh * kPageBytes)) return false;
+  if (fresh > 0 && !within_reserved_limit(fresh * page_)) return false;
   std::stable_partition(free_pages_.begin(), free_pages_.end(),
                         [&](const FreePage& page) { return needs_zeroing(page.owner, job); });
   pages.assign(free_pages_.end() - static_cast<std::ptrdiff_t>(reused), free_pages_.end());
@@ -258,19 +405,19 @@ bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
   if (fresh == 0) return true;
   std::vector<PageHandle> made;
   bool complete = false;
-  reserving_bytes_ += fresh * kPageBytes;
+  reserving_bytes_ += fresh * page_;
   lock.unlock();
   try {
     complete = backend_.pages_create(fresh, &made);
   } catch (...) {
     lock.lock();
-    reserving_bytes_ -= fresh * kPageBytes;
+    reserving_bytes_ -= fresh * page_;
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
+    pages.clear();
     throw;
   }
   lock.lock();
-  reserving_bytes_ -= fresh * kPageBytes;
-  if (reserving_bytes_ == 0) freed_cv_.notify_all();  // see allocate, before f
+  reserving_bytes_ -= fresh * page_;
   if (!complete) {
     free_pages_.insert(free_pages_.end(), pages.begin(), pages.end());
     pages.clear();
@@ -278,160 +425,73 @@ bool MemoryFlowAllocator::take_pages(Lock& lock, std::size_t count, JobId job,
   }
   const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
   for (PageHandle handle : made) pages.push_back({handle, fresh_owner});
-  update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(fresh * kPageBytes));
+  update_stat(stats_.reserved_bytes, static_cast<std::int64_t>(fresh * page_));
   return true;
 }
 
-// Maps `pages` at consecutive addresses from `at`, for `job`: `owner` becomes
-// whose data the mapped memory holds, and `zero_runs` the runs of pages the
-// caller zeroes (on its stream, with the lock released) because they held
-// another job's data or are fresh pages the device does not zero.
-void MemoryFlowAllocator::map_pages(char* at, const std::vector<FreePage>& pages, JobId job,
-                                    JobId& owner, ZeroRuns& zero_runs) {
+// Maps `pages` at `slots` of a held block's segment, for `job`. A page holding
+// the job's data or clean memory joins the owners of the blocks over it (Note
+// [Owners]); any other is zeroed whole, on the caller's stream with the lock
+// released: `zero_runs`.
+void MemoryFlowAllocator::map_pages(Block* block, const std::vector<std::size_t>& slots,
+                                    const std::vector<FreePage>& pages, JobId job,
+                                    ZeroRuns& zero_runs) {
+  Segment* segment = block->segment;
   const JobId fresh_owner = backend_.fresh_pages_zeroed() ? kClean : kMixed;
-  for (std::size_t i = 0; i < pages.size(); ++i) {
-    char* page = at + i * kPageBytes;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    char* page = segment->base + slots[i] * page_;
+    PageSlot& slot = segment->pages[slots[i]];
     backend_.page_map(page, pages[i].handle);
+    slot.handle = pages[i].handle;
+    slot.mapped = true;
+    ++segment->mapped;
+    ++segment->idle;  // under no live block yet (carve counts the block's use)
+    ++idle_pages_;
     if (!needs_zeroing(pages[i].owner, job)) {
-      owner = combine_owners(owner, pages[i].owner);
+      block->owner = combine_owners(block->owner, pages[i].owner);
+      for (Block* b = block->prev; b != nullptr && b->ptr + b->size > page; b = b->prev) {
+        b->owner = combine_owners(b->owner, pages[i].owner);
+      }
+      for (Block* b = block->next; b != nullptr && b->ptr < page + page_; b = b->next) {
+        b->owner = combine_owners(b->owner, pages[i].owner);
+      }
       continue;
     }
     // Fresh pages a device hands out unzeroed are kMixed: counted apart.
     if (pages[i].owner == fresh_owner) {
-      stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+      stats_.fresh_scrubbed_bytes += static_cast<std::int64_t>(page_);
     } else {
-      stats_.scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
-      jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(kPageBytes);
+      stats_.scrubbed_bytes += static_cast<std::int64_t>(page_);
+      jobs_[job].scrubbed_bytes += static_cast<std::int64_t>(page_);
     }
     if (!zero_runs.empty() && zero_runs.back().first + zero_runs.back().second == page) {
-      zero_runs.back().second += kPageBytes;
+      zero_runs.back().second += page_;
     } else {
-      zero_runs.emplace_back(page, kPageBytes);
+      zero_runs.emplace_back(page, page_);
     }
   }
 }
 
-// Rule d: a range of the pages a request of `size` needs, for `job` on `stream`
-// (take_pages); nullptr, with nothing changed, when the pages do not suffice.
-// It gets virtual room to grow into (grow_range): its class's (range_room), at
-// least as much again as its pages. Pages holding another job's data are
-// zeroed on `stream`, and the range's block is pending behind that zeroing.
-Block* MemoryFlowAllocator::new_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
-  const std::size_t bytes = range_bytes(size);
-  const PoolIndex kind = pool_index(size);
-  std::size_t room = std::max(range_room(size), bytes + std::min(bytes, kGrowBytes));
-  char* base = va_take(room);
-  if (base == nullptr && room > bytes) base = va_take(room = bytes);  // no room to grow, then
-  if (base == nullptr) return nullptr;
-  std::vector<FreePage> pages;
-  try {
-    if (!take_pages(lock, bytes / kPageBytes, job, pages)) {
-      va_give(base, room);
-      return nullptr;
-    }
-  } catch (...) {
-    va_give(base, room);
-    throw;
-  }
-  JobId owner = kClean;
-  ZeroRuns runs;
-  map_pages(base, pages, job, owner, runs);
-  // Zeroed after the lock is released: the range is in no pool yet, so no
-  // other thread can reach it.
-  if (!runs.empty()) {
-    lock.unlock();
-    for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
-    lock.lock();
-  }
-  std::vector<PageHandle> handles;
-  for (const FreePage& page : pages) handles.push_back(page.handle);
-  auto* segment = new Segment{base, bytes, nullptr, kind, stream, std::move(handles), base + room};
-  auto* block = new Block;
-  block->ptr = segment->base;
-  block->size = bytes;
-  block->segment = segment;
-  block->stream = stream;
-  block->owner = owner;
-  segment->head = block;
-  segments_.emplace(segment->base, segment);
-  update_stat(stats_.segments, 1);
-  if (runs.empty()) {
-    pool_of(block).ready.insert(block);
-    return block;
-  }
-  // Pending on `stream` behind the zeroing just queued there.
-  block->event = new_event(stream);
-  StreamPool& pool = pool_of(block).pending[stream];
-  pool.by_size.insert(block);
-  fifo_push_after(pool, pool.fifo_tail, block);
-  count_pending(static_cast<std::int64_t>(bytes));
-  return block;
-}
-
-// Rule d, first: a range of the request's class whose last block is free and
-// safe for `stream` at once (ready, or last used on it) grows in place by the
-// pages the request lacks, mapped in its virtual room; the grown block is
-// returned in its pool. nullptr when no range can grow or the pages do not
-// suffice. While pages are made the block is held apart (marked allocated, in
-// no pool), so that nothing takes, merges or cuts it.
-Block* MemoryFlowAllocator::grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job) {
-  Block* tail = nullptr;
-  std::size_t count = 0;
-  for (auto& [base, segment] : segments_) {
-    if (segment->pool != pool_index(size)) continue;
-    Block* last = segment->head;
-    while (last->next != nullptr) last = last->next;
-    if (!is_idle_free(last) || (last->event != nullptr && last->stream != stream)) continue;
-    if (last->size >= size) continue;  // a-c would have found it
-    const std::size_t lacking = (size - last->size + kPageBytes - 1) / kPageBytes;
-    char* end = segment->base + segment->size;
-    if (end + lacking * kPageBytes > segment->va_end) continue;
-    if (tail == nullptr || last->size > tail->size) {
-      tail = last;
-      count = lacking;
+// Counts a block's use of the pages under it (+1 handed out, -1 freed): a page
+// under no live block is idle. Keeps each job's held bytes and their window peak.
+void MemoryFlowAllocator::use_pages(const Block* block, int delta) {
+  Segment* segment = block->segment;
+  const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
+  std::int64_t changed = 0;
+  for (std::size_t i = start / page_; i <= (start + block->size - 1) / page_; ++i) {
+    PageSlot& slot = segment->pages[i];
+    if (delta > 0 ? slot.uses++ != 0 : --slot.uses != 0) continue;
+    changed += delta;
+    if (slot.mapped) {
+      segment->idle -= static_cast<std::size_t>(delta > 0);
+      segment->idle += static_cast<std::size_t>(delta < 0);
+      idle_pages_ = delta > 0 ? idle_pages_ - 1 : idle_pages_ + 1;
     }
   }
-  if (tail == nullptr) return nullptr;
-  unlink_free(tail);
-  tail->allocated = true;  // held apart while the lock is released
-  std::vector<FreePage> pages;
-  bool got = false;
-  try {
-    got = take_pages(lock, count, job, pages);
-  } catch (...) {
-    tail->allocated = false;
-    relink_free(tail);
-    throw;
-  }
-  // The range may have been split meanwhile (cut_pages): the tail's is its own.
-  Segment* segment = tail->segment;
-  ZeroRuns runs;
-  if (got) {
-    char* end = segment->base + segment->size;
-    map_pages(end, pages, job, tail->owner, runs);
-    for (const FreePage& page : pages) segment->pages.push_back(page.handle);
-    segment->size += count * kPageBytes;
-    if (tail->event != nullptr) count_pending(static_cast<std::int64_t>(count * kPageBytes));
-    tail->size += count * kPageBytes;
-    if (!runs.empty()) {
-      lock.unlock();
-      for (const auto& [at, length] : runs) backend_.memset_zero(at, length, stream);
-      lock.lock();
-    }
-  }
-  tail->allocated = false;
-  // Back in its pool, as it was or grown; pending pages zeroed on `stream` are
-  // covered: only `stream` takes it at once (it is ready, or pending on it).
-  relink_free(tail);
-  return got ? tail : nullptr;
-}
-
-// The whole pages inside a block of a range.
-std::size_t MemoryFlowAllocator::whole_pages(const Block* block) {
-  const std::size_t start = static_cast<std::size_t>(block->ptr - block->segment->base);
-  const std::size_t first = (start + kPageBytes - 1) / kPageBytes;
-  const std::size_t last = (start + block->size) / kPageBytes;
-  return last > first ? last - first : 0;
+  if (changed == 0) return;
+  JobStats& stats = jobs_[segment->job];
+  update_stat(stats.held_bytes, changed * static_cast<std::int64_t>(page_));
+  stats.window_peak = std::max(stats.window_peak, stats.held_bytes.current);
 }
 
 // Rule e: at least `wanted` pages back to the budget if free blocks hold them:
@@ -448,50 +508,55 @@ std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, J
   return gained;
 }
 
-// At least `wanted` pages back to the budget, if ready free blocks hold them:
-// the job's own first, then clean ones, then others', largest first. Returns
-// the pages gained.
-std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job) {
+// At least `wanted` pages back to the budget, if ready free blocks hold idle
+// ones: ended jobs' ranges first (no one's cache), then the job's own (no
+// zeroing), then other running jobs', those with the most idle pages first;
+// with `ended_only`, ended jobs' alone. Returns the pages gained.
+std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job, bool ended_only) {
   process_events_locked();
-  std::vector<Block*> candidates;
-  for (Pool& kind : pools_) {
-    for (Block* block : kind.ready) {
-      if (whole_pages(block) > 0) candidates.push_back(block);
-    }
-  }
-  const auto rank = [job](const Block* block) {
-    return block->owner == job ? 0 : block->owner == kClean ? 1 : 2;
+  const auto rank = [&](const Segment* segment) {
+    return !jobs_[segment->job].active ? 0 : segment->job == job ? 1 : 2;
   };
-  std::stable_sort(candidates.begin(), candidates.end(), [&](const Block* x, const Block* y) {
-    return rank(x) != rank(y) ? rank(x) < rank(y) : x->size > y->size;
+  std::vector<Segment*> candidates;
+  for (auto& [base, segment] : segments_) {
+    if (segment->idle > 0 && (!ended_only || rank(segment) == 0)) candidates.push_back(segment);
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [&](const Segment* x, const Segment* y) {
+    return rank(x) != rank(y) ? rank(x) < rank(y) : x->idle > y->idle;
   });
   std::size_t gained = 0;
-  for (Block* block : candidates) {
+  for (Segment* segment : candidates) {
+    for (Block* block = segment->head; block != nullptr && gained < wanted; block = block->next) {
+      if (is_idle_free(block) && block->event == nullptr) gained += cut_pages(block);
+    }
     if (gained >= wanted) break;
-    gained += cut_pages(block);
   }
   if (gained > 0) {
     stats_.num_page_moves += static_cast<std::int64_t>(gained);
+    drop_unused_segments(false);
     ++free_count_;  // pages came back: rule f's waiters look again
     if (release_waiters_ > 0) freed_cv_.notify_all();
   }
   return gained;
 }
 
-// Waits, with the lock released, for the events of pending free blocks that
-// hold whole pages (with `job`, only that job's): a page is unmapped only once
+// Waits, with the lock released, for the events of pending free blocks over
+// idle pages (with `job`, only that job's ranges): a page is unmapped only once
 // its last use completed. False when there was none to wait for.
 bool MemoryFlowAllocator::wait_for_pending_pages(Lock& lock, std::optional<JobId> job) {
   record_lazy_events();  // an event must exist before it can be waited on
   process_events_locked();
   std::vector<EventRef*> events;
-  for (Pool& kind : pools_) {
-    for (auto& [stream, pool] : kind.pending) {
-      for (Block* block = pool.fifo_head; block != nullptr; block = block->fifo_next) {
-        if (whole_pages(block) == 0 || (job && block->owner != *job)) continue;
-        if (std::find(events.begin(), events.end(), block->event) != events.end()) continue;
-        ++block->event->refs;
-        events.push_back(block->event);
+  for (JobId owner = 0; owner < static_cast<JobId>(pools_.size()); ++owner) {
+    if (job && owner != *job) continue;
+    for (Pool& kind : pools_[owner]) {
+      for (auto& [stream, pool] : kind.pending) {
+        for (Block* block = pool.fifo_head; block != nullptr; block = block->fifo_next) {
+          if (block->segment->idle == 0) continue;
+          if (std::find(events.begin(), events.end(), block->event) != events.end()) continue;
+          ++block->event->refs;
+          events.push_back(block->event);
+        }
       }
     }
   }
@@ -506,82 +571,94 @@ bool MemoryFlowAllocator::wait_for_pending_pages(Lock& lock, std::optional<JobId
   return true;
 }
 
-// Cuts the whole pages out of a ready free block: its range is split around
-// them (the slivers either side stay free blocks), they are unmapped and join
-// the budget's free pages with the block's owner. Returns the pages cut.
-std::size_t MemoryFlowAllocator::cut_pages(Block* block) {
-  const std::size_t count = whole_pages(block);
-  if (count == 0) return 0;
-  Segment* segment = block->segment;
-  const std::size_t first = (static_cast<std::size_t>(block->ptr - segment->base) +
-                             kPageBytes - 1) / kPageBytes;
-  char* const cut_start = segment->base + first * kPageBytes;
-  char* const cut_end = cut_start + count * kPageBytes;
-  char* const block_end = block->ptr + block->size;
-  char* const segment_end = segment->base + segment->size;
-  unlink_free(block);
-  for (std::size_t i = first; i < first + count; ++i) {
-    free_pages_.push_back({segment->pages[i], block->owner});
-  }
-  backend_.page_unmap(cut_start, count * kPageBytes);
+// Cuts the mapped pages wholly inside a ready free block out of its range, in
+// place: they are unmapped, the block stays as it was (Note [Layouts]), and
+// they join the budget's free pages (or `into`) with the block's owner.
+// Returns the pages cut.
+std::size_t MemoryFlowAllocator::cut_pages(Block* block, std::vector<FreePage>* into) {
+  return cut_pages_past(block, 0, into);
+}
 
-  // What follows the cut becomes a range of its own.
-  Block* after = block->next;
-  if (cut_end < segment_end) {
-    Block* head = after;
-    if (cut_end < block_end) {
-      head = new Block;
-      head->ptr = cut_end;
-      head->size = static_cast<std::size_t>(block_end - cut_end);
-      head->stream = block->stream;
-      head->owner = block->owner;
-      head->next = after;
-      if (after != nullptr) after->prev = head;
-    } else if (after != nullptr) {
-      after->prev = nullptr;
+// The same, past the first `keep` bytes of the block.
+std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
+                                                std::vector<FreePage>* into) {
+  Segment* segment = block->segment;
+  const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
+  const std::size_t first = (start + keep + page_ - 1) / page_;
+  const std::size_t last = (start + block->size) / page_;  // one past
+  std::size_t count = 0;
+  for (std::size_t i = first; i < last; ++i) {
+    PageSlot& slot = segment->pages[i];
+    if (!slot.mapped) continue;
+    std::size_t run = i;  // unmapped as one call per run of mapped pages
+    while (run < last && segment->pages[run].mapped) {
+      PageSlot& page = segment->pages[run];
+      (into != nullptr ? *into : free_pages_).push_back({page.handle, block->owner});
+      page.mapped = false;
+      ++run;
     }
-    auto* right = new Segment{cut_end, static_cast<std::size_t>(segment_end - cut_end), head,
-                              segment->pool, segment->stream,
-                              std::vector<PageHandle>(segment->pages.begin() +
-                                                          static_cast<std::ptrdiff_t>(first + count),
-                                                      segment->pages.end()),
-                              segment->va_end};
-    segment->va_end = cut_end;  // the cut pages' addresses: room for what precedes them
-    for (Block* b = head; b != nullptr; b = b->next) b->segment = right;
-    segments_.emplace(right->base, right);
-    update_stat(stats_.segments, 1);
-    if (head != after) pool_of(head).ready.insert(head);
+    backend_.page_unmap(segment->base + i * page_, (run - i) * page_);
+    count += run - i;
+    i = run;
   }
-  // What precedes it stays: the block itself as the sliver, if any.
-  segment->pages.resize(first);
-  segment->size = static_cast<std::size_t>(cut_start - segment->base);
-  if (cut_start > block->ptr) {
-    block->size = static_cast<std::size_t>(cut_start - block->ptr);
-    block->next = nullptr;
-    pool_of(block).ready.insert(block);
-  } else {
-    if (block->prev != nullptr) block->prev->next = nullptr;
-    delete block;
-  }
-  if (segment->size == 0) {
-    va_give(segment->base, static_cast<std::size_t>(segment->va_end - segment->base));
-    segments_.erase(segment->base);
-    update_stat(stats_.segments, -1);
-    delete segment;
-  }
+  segment->mapped -= count;
+  segment->idle -= count;
+  idle_pages_ -= count;
   return count;
 }
 
-// Whole free pages now: the budget's, and those inside idle free blocks.
-std::size_t MemoryFlowAllocator::free_whole_pages_locked() const {
-  std::size_t pages = free_pages_.size();
-  for (const Pool& kind : pools_) {
-    for (const Block* block : kind.ready) pages += whole_pages(block);
-    for (const auto& [stream, pool] : kind.pending) {
-      for (const Block* block : pool.by_size) pages += whole_pages(block);
+// Ranges with no page mapped and no live block, given back: ended jobs' (their
+// layout is no one's any more), and with `active_too` any job's (when address
+// space runs out).
+void MemoryFlowAllocator::drop_unused_segments(bool active_too) {
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    Segment* segment = it->second;
+    bool unused = segment->mapped == 0 && (active_too || !jobs_[segment->job].active);
+    for (Block* block = segment->head; unused && block != nullptr; block = block->next) {
+      unused = is_idle_free(block);
     }
+    if (!unused) {
+      ++it;
+      continue;
+    }
+    for (Block* block = segment->head; block != nullptr;) {
+      Block* next = block->next;
+      unlink_free(block);
+      if (block->event != nullptr) {
+        count_pending(-static_cast<std::int64_t>(block->size));
+        unref(block->event);
+      }
+      delete block;
+      block = next;
+    }
+    va_give(segment->base, segment->size);
+    it = segments_.erase(it);
+    update_stat(stats_.segments, -1);
+    delete segment;
   }
-  return pages;
+}
+
+// Idle pages: mapped, under no live block, in any range.
+std::size_t MemoryFlowAllocator::idle_pages_locked() const { return idle_pages_; }
+
+// Whole free pages now: the budget's, and the idle ones of the ranges.
+std::size_t MemoryFlowAllocator::free_whole_pages_locked() const {
+  return free_pages_.size() + idle_pages_locked();
+}
+
+// The longest run of mapped bytes inside a block.
+std::size_t MemoryFlowAllocator::mapped_run(const Block* block) const {
+  const Segment* segment = block->segment;
+  const char* end = block->ptr + block->size;
+  std::size_t best = 0, run = 0;
+  for (const char* at = block->ptr; at < end;) {
+    const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
+    const char* page_end = std::min<const char*>(end, segment->base + (i + 1) * page_);
+    run = segment->pages[i].mapped ? run + static_cast<std::size_t>(page_end - at) : 0;
+    best = std::max(best, run);
+    at = page_end;
+  }
+  return best;
 }
 
 // Virtual memory for a range: best fit among the unused parts of the
@@ -594,7 +671,7 @@ char* MemoryFlowAllocator::va_take(std::size_t bytes) {
   if (best == free_va_.end()) {
     const std::size_t span = std::max(bytes, backend_.va_arena_bytes());
     auto* base = static_cast<char*>(backend_.va_reserve(span));
-    if (base == nullptr && (release_free_reservations() | trim_growth_room())) {
+    if (base == nullptr && release_free_reservations()) {
       base = static_cast<char*>(backend_.va_reserve(span));
     }
     if (base == nullptr) return nullptr;
@@ -627,27 +704,6 @@ bool MemoryFlowAllocator::release_free_reservations() {
   return released;
 }
 
-// The virtual room ranges keep to grow into, given back where it ends
-// their reservation (the host's: a reservation per range): room is a luxury,
-// address space for a range is not. True if any was given back.
-bool MemoryFlowAllocator::trim_growth_room() {
-  bool trimmed = false;
-  if (backend_.va_arena_bytes() != 0) return false;  // shared reservations: not in parts
-  for (auto& [start, segment] : segments_) {
-    char* end = segment->base + segment->size;
-    if (segment->va_end <= end) continue;
-    auto arena = arenas_.upper_bound(end);
-    if (arena == arenas_.begin()) continue;
-    --arena;
-    if (arena->first + arena->second != segment->va_end) continue;
-    backend_.va_release(end, static_cast<std::size_t>(segment->va_end - end));
-    arena->second = static_cast<std::size_t>(end - arena->first);
-    segment->va_end = end;
-    trimmed = true;
-  }
-  return trimmed;
-}
-
 void MemoryFlowAllocator::va_give(char* base, std::size_t bytes) {
   // Coalesced with its neighbours within one reservation (a CUDA mapping may
   // not span two).
@@ -676,6 +732,8 @@ void MemoryFlowAllocator::va_give(char* base, std::size_t bytes) {
   free_va_.emplace(base, bytes);
 }
 
+// Hands out the first `size` bytes of a block map_under holds (its pages
+// mapped): the rest, if worth keeping, stays free in its pool.
 Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t requested,
                                   StreamId stream, JobId job, Allocation& out) {
   EventRef* event = block->event;
@@ -690,19 +748,14 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
     block->next = rest;
     rest->stream = block->stream;
     rest->owner = block->owner;
+    block->size = size;
     if (event != nullptr) {  // the rest stays pending behind the same event
       rest->event = event;
       ++event->refs;
-      StreamPool& pool = pool_of(block).pending[block->stream];
-      pool.by_size.insert(rest);
-      fifo_push_after(pool, block, rest);
+      relink_free(rest);
     } else {
-      pool_of(block).ready.insert(rest);
+      insert_ready(rest);  // a ready neighbour freed while the block was held joins it
     }
-    unlink_free(block);
-    block->size = size;
-  } else {
-    unlink_free(block);
   }
   if (event != nullptr) {
     count_pending(-static_cast<std::int64_t>(block->size));
@@ -730,6 +783,7 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   block->stream = stream;
   block->requested = requested;
   live_.emplace(block->ptr, block);
+  use_pages(block, +1);
 
   const auto bytes = static_cast<std::int64_t>(block->size);
   const auto asked = static_cast<std::int64_t>(requested);
@@ -738,7 +792,6 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
   update_stat(stats_.allocations, 1);
   update_stat(jobs_[job].allocated_bytes, bytes);
   jobs_[job].largest_block = std::max(jobs_[job].largest_block, bytes);
-  jobs_[job].window_peak = std::max(jobs_[job].window_peak, jobs_[job].allocated_bytes.current);
   update_stat(jobs_[job].requested_bytes, asked);
   update_stat(jobs_[job].allocations, 1);
   out.ptr = block->ptr;
@@ -841,8 +894,8 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
   const std::size_t free_pages = free_whole_pages_locked();
   message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current)
           << " reserved but free: " << free_pages << " whole pages ("
-          << format_bytes(static_cast<std::int64_t>(free_pages * kPageBytes))
-          << "), the largest free block "
+          << format_bytes(static_cast<std::int64_t>(free_pages * page_))
+          << "), the largest free run "
           << format_bytes(static_cast<std::int64_t>(largest_free_block_locked())) << "; "
           << format_bytes(stats_.pending_event_bytes) << " free behind pending events.";
   throw OutOfMemory(message.str());
@@ -876,9 +929,10 @@ bool MemoryFlowAllocator::free_if_owned(void* ptr) {
   block->allocated = false;
 
   if (block->extra_streams.empty()) {
+    use_pages(block, -1);
     block->event = free_event(block->stream);
     insert_free(block);
-  } else {
+  } else {  // still in use on other streams: its pages stay held until they are done
     block->deferred = true;
     block->deferred_events.push_back(new_event(block->stream));
     for (StreamId other : block->extra_streams) {
@@ -974,15 +1028,18 @@ void MemoryFlowAllocator::unlink_free(Block* block) {
   }
 }
 
-// unlink_free's inverse: the block back in its pool as it was (no merge, no count).
+// unlink_free's inverse: the block back in its pool as it was (no merge, no
+// count), a pending one in its event's place in its stream's free order.
 void MemoryFlowAllocator::relink_free(Block* block) {
-  if (block->event != nullptr) {
-    StreamPool& pool = pool_of(block).pending[block->stream];
-    pool.by_size.insert(block);
-    fifo_push_after(pool, pool.fifo_tail, block);
-  } else {
+  if (block->event == nullptr) {
     pool_of(block).ready.insert(block);
+    return;
   }
+  StreamPool& pool = pool_of(block).pending[block->stream];
+  pool.by_size.insert(block);
+  Block* after = pool.fifo_tail;
+  while (after != nullptr && after->event->serial > block->event->serial) after = after->fifo_prev;
+  fifo_push_after(pool, after, block);
 }
 
 void MemoryFlowAllocator::fifo_push_after(StreamPool& pool, Block* after, Block* block) {
@@ -1020,22 +1077,29 @@ void MemoryFlowAllocator::process_events() {
   process_events_locked();
 }
 
-void MemoryFlowAllocator::process_events_locked() {
-  for (Pool& kind : pools_) {
-    for (auto& [stream, pool] : kind.pending) {
-      // Events on one stream complete in the order they were recorded.
-      while (pool.fifo_head != nullptr && is_complete(pool.fifo_head->event)) {
-        Block* block = pool.fifo_head;
-        pool.by_size.erase(block);
-        fifo_remove(pool, block);
-        count_pending(-static_cast<std::int64_t>(block->size));
-        unref(block->event);
-        block->event = nullptr;
-        insert_ready(block);
-      }
-    }
+// Free blocks whose events completed move to the ready pool: every job's, or
+// only `job`'s.
+void MemoryFlowAllocator::process_events_locked(std::optional<JobId> job) {
+  for (JobId owner = 0; owner < static_cast<JobId>(pools_.size()); ++owner) {
+    if (job && owner != *job) continue;
+    for (Pool& kind : pools_[owner]) process_pool_events(kind);
   }
   poll_deferred();
+}
+
+void MemoryFlowAllocator::process_pool_events(Pool& kind) {
+  for (auto& [stream, pool] : kind.pending) {
+    // Events on one stream complete in the order they were recorded.
+    while (pool.fifo_head != nullptr && is_complete(pool.fifo_head->event)) {
+      Block* block = pool.fifo_head;
+      pool.by_size.erase(block);
+      fifo_remove(pool, block);
+      count_pending(-static_cast<std::int64_t>(block->size));
+      unref(block->event);
+      block->event = nullptr;
+      insert_ready(block);
+    }
+  }
 }
 
 void MemoryFlowAllocator::poll_deferred() {
@@ -1053,6 +1117,7 @@ void MemoryFlowAllocator::poll_deferred() {
     count_pending(-static_cast<std::int64_t>(block->size));
     deferred_[i] = deferred_.back();
     deferred_.pop_back();
+    use_pages(block, -1);
     insert_ready(block);
   }
 }
@@ -1144,8 +1209,11 @@ std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string
   if (!job) return ranges;
   std::vector<Block*> dirty;
   for (auto& [base, segment] : segments_) {
+    if (segment->job != *job || segment->mapped == 0) continue;
     for (Block* block = segment->head; block != nullptr; block = block->next) {
-      if (is_idle_free(block) && block->owner == *job) dirty.push_back(block);
+      if (is_idle_free(block) && block->owner == *job && mapped_run(block) > 0) {
+        dirty.push_back(block);
+      }
     }
   }
   if (dirty.empty()) return ranges;
@@ -1165,8 +1233,24 @@ std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string
       count_pending(static_cast<std::int64_t>(block->size));
     }
     block->in_scrub = true;
-    in_scrub_.emplace(block->ptr, block);
-    ranges.push_back({block->ptr, block->size});
+    // Its mapped runs: unmapped pages hold nothing, and cannot be written.
+    const Segment* segment = block->segment;
+    char* const end = block->ptr + block->size;
+    for (char* at = block->ptr; at < end;) {
+      const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
+      char* run_end = at;
+      for (std::size_t j = i; j < segment->pages.size() && segment->pages[j].mapped; ++j) {
+        run_end = std::min(end, segment->base + (j + 1) * page_);
+        if (run_end == end) break;
+      }
+      if (run_end > at) {
+        in_scrub_.emplace(at, std::make_pair(block, static_cast<std::size_t>(run_end - at)));
+        ranges.push_back({at, static_cast<std::size_t>(run_end - at)});
+        at = run_end;
+      } else {
+        at = std::min(end, segment->base + (i + 1) * page_);
+      }
+    }
   }
   return ranges;
 }
@@ -1179,14 +1263,17 @@ void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId 
   if (std::unordered_set<void*>(ptrs.begin(), ptrs.end()).size() != ptrs.size()) {
     throw std::invalid_argument(not_in_scrub);
   }
-  std::vector<Block*> blocks;
+  std::vector<Block*> blocks;  // each once: a block's runs come apart
+  std::unordered_map<Block*, std::int64_t> zeroed_bytes;
   for (void* ptr : ptrs) {
     auto it = in_scrub_.find(ptr);
     if (it == in_scrub_.end()) throw std::invalid_argument(not_in_scrub);
-    blocks.push_back(it->second);
+    auto [block, run] = it->second;
+    if (zeroed_bytes.count(block) == 0) blocks.push_back(block);
+    zeroed_bytes[block] += static_cast<std::int64_t>(run);
   }
   if (blocks.empty()) return;
-  for (Block* block : blocks) in_scrub_.erase(block->ptr);
+  for (void* ptr : ptrs) in_scrub_.erase(ptr);
   // One event after the zeroing covers every block of the batch.
   note_stream(scrub_stream);
   EventRef* event = new_event(scrub_stream);
@@ -1194,8 +1281,8 @@ void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId 
   for (Block* block : blocks) {
     const auto bytes = static_cast<std::int64_t>(block->size);
     if (zeroed) {
-      stats_.batch_scrubbed_bytes += bytes;
-      jobs_[block->owner].batch_scrubbed_bytes += bytes;
+      stats_.batch_scrubbed_bytes += zeroed_bytes[block];
+      if (block->owner >= 0) jobs_[block->owner].batch_scrubbed_bytes += zeroed_bytes[block];
       block->owner = kClean;
     }
     block->in_scrub = false;
@@ -1213,7 +1300,7 @@ void MemoryFlowAllocator::finish_scrub(const std::vector<void*>& ptrs, StreamId 
 }
 
 // ---------------------------------------------------------------------------
-// Rule e: releasing wholly free segments
+// empty_cache: idle pages back to the device
 // ---------------------------------------------------------------------------
 
 std::size_t MemoryFlowAllocator::release_free_segments(std::optional<JobId> job) {
@@ -1223,28 +1310,30 @@ std::size_t MemoryFlowAllocator::release_free_segments(std::optional<JobId> job)
 
 std::size_t MemoryFlowAllocator::release_free_segments_locked(Lock& lock,
                                                               std::optional<JobId> job) {
-  // A job's own: its data alone, so the wait is on that job's work only.
+  // A job's own: its ranges alone, so the wait is on that job's work only.
   wait_for_pending_pages(lock, job);
   process_events_locked();
-  std::vector<Block*> victims;
-  for (Pool& kind : pools_) {
-    for (Block* block : kind.ready) {
-      if (whole_pages(block) > 0 && (!job || block->owner == *job)) victims.push_back(block);
+  std::vector<FreePage> cut;
+  for (auto& [base, segment] : segments_) {
+    if ((job && segment->job != *job) || segment->idle == 0) continue;
+    for (Block* block = segment->head; block != nullptr; block = block->next) {
+      if (is_idle_free(block) && block->event == nullptr) cut_pages(block, &cut);
     }
   }
-  for (Block* block : victims) cut_pages(block);
-  std::vector<PageHandle> released;
+  drop_unused_segments(false);
   auto kept = std::stable_partition(free_pages_.begin(), free_pages_.end(), [&](const FreePage& page) {
     return job && page.owner != *job;
   });
-  for (auto it = kept; it != free_pages_.end(); ++it) released.push_back(it->handle);
+  cut.insert(cut.end(), kept, free_pages_.end());
   free_pages_.erase(kept, free_pages_.end());
+  std::vector<PageHandle> released;
+  for (const FreePage& page : cut) released.push_back(page.handle);
   if (released.empty()) return 0;
   // Released under the lock: until the device has them back they still count
   // as held, or a request meanwhile would find neither them nor room for fresh
   // ones. Unmapped and idle, a page goes back at once (Note [Locking]).
   for (PageHandle page : released) backend_.page_release(page);
-  const std::size_t bytes = released.size() * kPageBytes;
+  const std::size_t bytes = released.size() * page_;
   update_stat(stats_.reserved_bytes, -static_cast<std::int64_t>(bytes));
   return bytes;
 }
@@ -1279,6 +1368,7 @@ JobId MemoryFlowAllocator::register_stream(StreamId stream, const std::string& n
     JobStats stats;
     stats.name = name;
     jobs_.push_back(stats);
+    pools_.emplace_back();
   }
   jobs_[job].active = true;
   jobs_[job].limit = limit;
@@ -1384,7 +1474,8 @@ Snapshot MemoryFlowAllocator::snapshot() const {
   snap.device = stats_;
   snap.jobs = jobs_;
   snap.fragmentation_bytes = stats_.reserved_bytes.current - stats_.allocated_bytes.current;
-  snap.free_page_bytes = static_cast<std::int64_t>(free_whole_pages_locked() * kPageBytes);
+  snap.free_page_bytes = static_cast<std::int64_t>(free_whole_pages_locked() * page_);
+  snap.page_bytes = static_cast<std::int64_t>(page_);
   lock.unlock();
   snap.largest_free_block = static_cast<std::int64_t>(largest_free_block());
   return snap;
@@ -1393,17 +1484,22 @@ Snapshot MemoryFlowAllocator::snapshot() const {
 std::size_t MemoryFlowAllocator::largest_block_for(StreamId stream, std::size_t device_free,
                                                    std::size_t device_total) const {
   Lock lock(mutex_);
-  // A range stitched from the budget's free pages and fresh ones, or a cached block.
-  const std::size_t largest =
-      std::max(largest_free_block_locked(), device_free + free_pages_.size() * kPageBytes);
-  const JobStats& job = jobs_[job_of_stream_locked(stream)];
-  const auto held_by = [](const Stat& stat) { return static_cast<std::size_t>(stat.current); };
+  // A block over pages mapped for it (free, idle anywhere, or fresh), or a
+  // mapped free run of its own job's ranges.
+  const JobId job_id = job_of_stream_locked(stream);
+  const std::size_t free_pages = free_whole_pages_locked() * page_;
+  std::size_t largest = device_free + free_pages;
+  for (const Pool& kind : pools_[job_id]) {
+    for (const Block* block : kind.ready) largest = std::max(largest, mapped_run(block));
+  }
+  const JobStats& job = jobs_[job_id];
   const std::size_t capacity =
       options_.reserved_limit != 0 ? options_.reserved_limit : device_total;
-  const std::size_t all_held = held_by(stats_.allocated_bytes);
-  std::size_t headroom = capacity > all_held ? capacity - all_held : 0;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t held = reserved > free_pages ? reserved - free_pages : 0;  // pages under live blocks
+  std::size_t headroom = capacity > held ? capacity - held : 0;
   if (job.limit != 0) {
-    const std::size_t mine = held_by(job.allocated_bytes);
+    const auto mine = static_cast<std::size_t>(job.allocated_bytes.current);
     headroom = std::min(headroom, job.limit > mine ? job.limit - mine : 0);
   }
   return std::min(largest, headroom);
@@ -1414,38 +1510,123 @@ std::size_t MemoryFlowAllocator::largest_free_block() const {
   return largest_free_block_locked();
 }
 
+// The longest mapped run of free bytes in one block, over every range.
 std::size_t MemoryFlowAllocator::largest_free_block_locked() const {
   std::size_t largest = 0;
-  for (const Pool& kind : pools_) {
-    if (!kind.ready.empty()) largest = std::max(largest, (*kind.ready.rbegin())->size);
-    for (const auto& [stream, pool] : kind.pending) {
-      if (!pool.by_size.empty()) largest = std::max(largest, (*pool.by_size.rbegin())->size);
+  for (const Pools& pools : pools_) {
+    for (const Pool& kind : pools) {
+      for (const Block* block : kind.ready) largest = std::max(largest, mapped_run(block));
+      for (const auto& [stream, pool] : kind.pending) {
+        for (const Block* block : pool.by_size) largest = std::max(largest, mapped_run(block));
+      }
     }
   }
   return largest;
 }
 
+// Each range's mapped runs, as torch reports segments (memory it holds): the
+// blocks over a run, free ones cut to it.
 std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
   Lock lock(mutex_);
   std::vector<SegmentInfo> result;
   for (const auto& [base, segment] : segments_) {
-    SegmentInfo info{reinterpret_cast<std::uintptr_t>(segment->base), segment->size,
-                     segment->stream, segment->small(), {}};
-    for (const Block* block = segment->head; block != nullptr; block = block->next) {
-      info.blocks.push_back({reinterpret_cast<std::uintptr_t>(block->ptr), block->size,
-                             block->allocated, block->event != nullptr || block->deferred,
-                             block->in_scrub, block->deferred, block->stream, block->owner,
-                             block->allocated ? block->requested : 0});
+    const Block* block = segment->head;
+    for (std::size_t i = 0; i < segment->pages.size();) {
+      if (!segment->pages[i].mapped) {
+        ++i;
+        continue;
+      }
+      std::size_t j = i;
+      while (j < segment->pages.size() && segment->pages[j].mapped) ++j;
+      char* const start = segment->base + i * page_;
+      char* const end = segment->base + j * page_;
+      SegmentInfo info{reinterpret_cast<std::uintptr_t>(start), static_cast<std::size_t>(end - start),
+                       segment->stream, segment->small(), {}};
+      while (block != nullptr && block->ptr + block->size <= start) block = block->next;
+      for (const Block* b = block; b != nullptr && b->ptr < end; b = b->next) {
+        char* const from = std::max(b->ptr, start);
+        char* const to = std::min(b->ptr + b->size, end);
+        info.blocks.push_back({reinterpret_cast<std::uintptr_t>(from), static_cast<std::size_t>(to - from),
+                               b->allocated, b->event != nullptr || b->deferred, b->in_scrub,
+                               b->deferred, b->stream, b->owner, b->allocated ? b->requested : 0});
+      }
+      result.push_back(std::move(info));
+      i = j;
     }
-    result.push_back(std::move(info));
   }
   return result;
+}
+
+// The invariants of waterwave_allocator.h, checked over every range, block and
+// page: "" when they hold, else the first one broken. For tests; O(everything).
+std::string MemoryFlowAllocator::check_invariants() const {
+  Lock lock(mutex_);
+  std::ostringstream broken;
+  std::size_t mapped_total = 0, idle_total = 0;
+  std::vector<std::int64_t> held(jobs_.size(), 0);
+  for (const auto& [base, segment] : segments_) {
+    if (segment->pages.size() * page_ != segment->size) return "a range's pages do not cover it";
+    std::vector<std::uint32_t> uses(segment->pages.size(), 0);
+    char* at = segment->base;
+    for (const Block* block = segment->head; block != nullptr; block = block->next) {
+      if (block->ptr != at || block->segment != segment) return "blocks do not tile their range";
+      if (block->next != nullptr && block->next->prev != block) return "a block's links disagree";
+      at += block->size;
+      const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
+      if (block->allocated || block->deferred) {
+        for (std::size_t i = start / page_; i <= (start + block->size - 1) / page_; ++i) {
+          ++uses[i];
+          if (!segment->pages[i].mapped) return "a live block is over an unmapped page";
+        }
+      }
+      if (is_idle_free(block)) {
+        const Pool& pool = pools_[segment->job][segment->pool];
+        bool found = false;
+        if (block->event == nullptr) {
+          found = pool.ready.count(const_cast<Block*>(block)) != 0;
+        } else {
+          auto stream_pool = pool.pending.find(block->stream);
+          found = stream_pool != pool.pending.end() &&
+                  stream_pool->second.by_size.count(const_cast<Block*>(block)) != 0;
+        }
+        if (!found) return "a free block is not in its pool";
+      }
+    }
+    if (at != segment->base + segment->size) return "blocks do not tile their range";
+    std::size_t mapped = 0, idle = 0;
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      const PageSlot& slot = segment->pages[i];
+      if (slot.uses != uses[i]) {
+        broken << "page " << i << " of a range counts " << slot.uses << " uses, not " << uses[i];
+        return broken.str();
+      }
+      mapped += slot.mapped;
+      idle += slot.mapped && slot.uses == 0;
+      if (slot.uses > 0) held[segment->job] += static_cast<std::int64_t>(page_);
+    }
+    if (mapped != segment->mapped || idle != segment->idle) return "a range's page counts drifted";
+    mapped_total += mapped;
+    idle_total += idle;
+  }
+  if (idle_total != idle_pages_) return "the idle page count drifted";
+  for (std::size_t job = 0; job < jobs_.size(); ++job) {
+    if (held[job] != jobs_[job].held_bytes.current) {
+      broken << "job '" << jobs_[job].name << "' holds " << held[job] << " bytes of pages, not "
+             << jobs_[job].held_bytes.current;
+      return broken.str();
+    }
+  }
+  if ((mapped_total + free_pages_.size()) * page_ + reserving_bytes_ !=
+      static_cast<std::size_t>(stats_.reserved_bytes.current)) {
+    return "reserved bytes are not the pages mapped and free";
+  }
+  return "";
 }
 
 MemoryFlowAllocator::Window MemoryFlowAllocator::job_window(JobId job, bool restart) {
   Lock lock(mutex_);
   JobStats& stats = jobs_.at(job);
-  const std::int64_t current = stats.allocated_bytes.current;
+  const std::int64_t current = stats.held_bytes.current;
   const Window window{current, std::max(stats.window_peak, current)};
   if (restart) stats.window_peak = current;
   return window;
@@ -1457,6 +1638,7 @@ void MemoryFlowAllocator::reset_peak(std::optional<JobId> job) {
     wwrun::alloc::reset_peak(stats.allocated_bytes);
     wwrun::alloc::reset_peak(stats.requested_bytes);
     wwrun::alloc::reset_peak(stats.allocations);
+    wwrun::alloc::reset_peak(stats.held_bytes);
   };
   if (job) {
     reset_job(jobs_.at(*job));
@@ -1475,6 +1657,7 @@ void MemoryFlowAllocator::reset_accumulated(std::optional<JobId> job) {
     wwrun::alloc::reset_accumulated(stats.allocated_bytes);
     wwrun::alloc::reset_accumulated(stats.requested_bytes);
     wwrun::alloc::reset_accumulated(stats.allocations);
+    wwrun::alloc::reset_accumulated(stats.held_bytes);
     stats.num_ooms = 0;
   };
   if (job) {
@@ -1506,10 +1689,15 @@ void* MemoryFlowAllocator::segment_base(void* ptr, std::size_t* size) const {
   auto it = segments_.upper_bound(static_cast<char*>(ptr));
   if (it == segments_.begin()) return nullptr;
   --it;
-  Segment* segment = it->second;
+  const Segment* segment = it->second;
   if (static_cast<char*>(ptr) >= segment->base + segment->size) return nullptr;
-  if (size != nullptr) *size = segment->size;
-  return segment->base;
+  const std::size_t at = static_cast<std::size_t>(static_cast<char*>(ptr) - segment->base) / page_;
+  if (!segment->pages[at].mapped) return nullptr;
+  std::size_t first = at, last = at + 1;
+  while (first > 0 && segment->pages[first - 1].mapped) --first;
+  while (last < segment->pages.size() && segment->pages[last].mapped) ++last;
+  if (size != nullptr) *size = (last - first) * page_;
+  return segment->base + first * page_;
 }
 
 }  // namespace wwrun::alloc

@@ -5,8 +5,8 @@
 // simulated streams and events, so that every rule of the policy in
 // waterwave_allocator.h runs and is tested on a CPU-only machine).
 //
-// Memory is physical pages of kPageBytes, mapped into virtual ranges the core
-// reserves (Note [Pages] in waterwave_allocator.h): a page can be unmapped from
+// Memory is physical pages of page_bytes(), mapped into virtual ranges the core
+// reserves (Note [Layouts] in waterwave_allocator.h): a page can be unmapped from
 // one range and mapped into another, keeping its contents.
 //
 // Blocking contract: the core calls pages_create and event_synchronize with its
@@ -30,13 +30,15 @@ using EventHandle = void*;
 // the memfd on the host).
 using PageHandle = std::uint64_t;
 
-// The unit in which memory flows between ranges, streams and jobs: the CUDA
-// driver's allocation granularity on current GPUs.
-constexpr std::size_t kPageBytes = 2 << 20;
 
 class Backend {
  public:
   virtual ~Backend() = default;
+
+  // The unit in which memory flows between ranges, streams and jobs: the CUDA
+  // driver's allocation granularity on a GPU (cuda_backend.h), a quarter of it
+  // on the host (host_backend.h). Fixed for the backend's life.
+  virtual std::size_t page_bytes() const = 0;
 
   // `count` pages of physical memory appended to *pages, all or none: false
   // (nothing appended) when the device has not that many (threads making
@@ -45,8 +47,8 @@ class Backend {
   virtual void page_release(PageHandle page) = 0;
   // True when a page pages_create gives holds zeros (the host's, from the kernel).
   virtual bool fresh_pages_zeroed() const = 0;
-  // A virtual range of `bytes` (a multiple of kPageBytes) aligned to
-  // kPageBytes, with nothing mapped; nullptr when none can be had.
+  // A virtual range of `bytes` (a multiple of page_bytes()) aligned to
+  // page_bytes(), with nothing mapped; nullptr when none can be had.
   virtual void* va_reserve(std::size_t bytes) = 0;
   virtual void va_release(void* base, std::size_t bytes) = 0;
   // The least the core reserves at once (it carves ranges out of a reservation).

@@ -27,6 +27,7 @@ inline py::dict job_dict(const JobStats& job) {
   d["allocated_bytes"] = stat_dict(job.allocated_bytes);
   d["requested_bytes"] = stat_dict(job.requested_bytes);
   d["allocations"] = stat_dict(job.allocations);
+  d["held_bytes"] = stat_dict(job.held_bytes);
   d["num_ooms"] = job.num_ooms;
   d["largest_block_bytes"] = job.largest_block;
   d["scrubbed_bytes"] = job.scrubbed_bytes;
@@ -46,12 +47,12 @@ inline py::dict snapshot_dict(const Snapshot& snap) {
   device["num_alloc_retries"] = dev.num_alloc_retries;
   device["num_release_waits"] = dev.num_release_waits;
   device["num_release_deadlocks"] = dev.num_release_deadlocks;
-  device["num_borrows"] = dev.num_borrows;
   device["scrubbed_bytes"] = dev.scrubbed_bytes;
   device["batch_scrubbed_bytes"] = dev.batch_scrubbed_bytes;
   device["scrub_batches"] = dev.scrub_batches;
   device["fresh_scrubbed_bytes"] = dev.fresh_scrubbed_bytes;
   device["num_page_moves"] = dev.num_page_moves;
+  device["page_bytes"] = snap.page_bytes;
   device["free_page_bytes"] = snap.free_page_bytes;
   device["pending_event_bytes"] = dev.pending_event_bytes;
   device["fragmentation_bytes"] = snap.fragmentation_bytes;

@@ -116,7 +116,7 @@ bool CudaBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages
     std::size_t granularity = 0;
     check_driver(d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                  "cuMemGetAllocationGranularity");
-    if (granularity == 0 || kPageBytes % granularity != 0) {
+    if (granularity == 0 || kCudaPageBytes % granularity != 0) {
       throw std::runtime_error("wwrun allocator: the device's allocation granularity (" +
                                std::to_string(granularity) + " bytes) does not divide a page");
     }
@@ -130,7 +130,7 @@ bool CudaBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages
   };
   for (std::size_t i = 0; i < count; ++i) {
     CUmemGenericAllocationHandle handle = 0;
-    const CUresult status = d.mem_create(&handle, kPageBytes, &prop, 0);
+    const CUresult status = d.mem_create(&handle, kCudaPageBytes, &prop, 0);
     if (status == CUDA_ERROR_OUT_OF_MEMORY) {
       undo();
       return false;
@@ -153,7 +153,7 @@ void CudaBackend::page_release(PageHandle page) {
 
 void* CudaBackend::va_reserve(std::size_t bytes) {
   CUdeviceptr base = 0;
-  const CUresult status = driver().address_reserve(&base, bytes, kPageBytes, 0, 0);
+  const CUresult status = driver().address_reserve(&base, bytes, kCudaPageBytes, 0, 0);
   if (status == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
   check_driver(status, "cuMemAddressReserve");
   return reinterpret_cast<void*>(base);
@@ -168,21 +168,21 @@ void CudaBackend::va_release(void* base, std::size_t bytes) {
 void CudaBackend::page_map(void* address, PageHandle page) {
   DeviceScope scope(device_);
   const Driver& d = driver();
-  check_driver(d.map(as_address(address), kPageBytes, 0,
+  check_driver(d.map(as_address(address), kCudaPageBytes, 0,
                      static_cast<CUmemGenericAllocationHandle>(page), 0),
                "cuMemMap");
   CUmemAccessDesc access = {};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device_;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  check_driver(d.set_access(as_address(address), kPageBytes, &access, 1), "cuMemSetAccess");
+  check_driver(d.set_access(as_address(address), kCudaPageBytes, &access, 1), "cuMemSetAccess");
 }
 
 void CudaBackend::page_unmap(void* address, std::size_t bytes) {
   int current = 0;
   if (cudaGetDevice(&current) == cudaErrorCudartUnloading) return;
   DeviceScope scope(device_);
-  // The core unmaps only pages whose last use has completed (Note [Pages]).
+  // The core unmaps only pages whose last use has completed (Note [Layouts]).
   check_driver(driver().unmap(as_address(address), bytes), "cuMemUnmap");
 }
 

@@ -19,10 +19,15 @@ class CudartUnloading : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The driver's allocation granularity on current GPUs (checked at the first
+// pages_create).
+constexpr std::size_t kCudaPageBytes = 2 << 20;
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {}
 
+  std::size_t page_bytes() const override { return kCudaPageBytes; }
   bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
   void page_release(PageHandle page) override;
   // Not promised by the driver: a page may hold what this process last put there.

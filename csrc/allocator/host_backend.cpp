@@ -29,19 +29,19 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
   rlimit address_space{};
   const bool unlimited =
       ::getrlimit(RLIMIT_AS, &address_space) == 0 && address_space.rlim_cur == RLIM_INFINITY;
-  va_budget_ = unlimited ? 4 * capacity_ : capacity_ + capacity_ / 8;
+  va_budget_ = unlimited ? 16 * capacity_ + (std::size_t{64} << 30) : capacity_ + capacity_ / 8;
   fd_ = ::memfd_create("wwrun-pages", MFD_CLOEXEC);
   if (fd_ < 0) fail("memfd_create");
   // Sparse: a page takes memory only once written.
-  const std::size_t pages = capacity_ / kPageBytes;
-  if (::ftruncate(fd_, static_cast<off_t>(pages * kPageBytes)) != 0) fail("ftruncate");
+  const std::size_t pages = capacity_ / kHostPageBytes;
+  if (::ftruncate(fd_, static_cast<off_t>(pages * kHostPageBytes)) != 0) fail("ftruncate");
 }
 
 HostBackend::~HostBackend() { ::close(fd_); }
 
 bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (used_ + count * kPageBytes > capacity_) return false;
+  if (used_ + count * kHostPageBytes > capacity_) return false;
   for (std::size_t i = 0; i < count; ++i) {
     if (!free_pages_.empty()) {
       pages->push_back(free_pages_.back());
@@ -50,7 +50,7 @@ bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages
       pages->push_back(next_page_++);
     }
   }
-  used_ += count * kPageBytes;
+  used_ += count * kHostPageBytes;
   return true;
 }
 
@@ -58,12 +58,12 @@ void HostBackend::page_release(PageHandle page) {
   // Back to the kernel, and zeroed for its next use. A forked child shares the
   // file with its parent, whose data this page may still hold: only forgotten.
   if (!forked_ && ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                              static_cast<off_t>(page * kPageBytes), kPageBytes) != 0) {
+                              static_cast<off_t>(page * kHostPageBytes), kHostPageBytes) != 0) {
     fail("fallocate(PUNCH_HOLE)");
   }
   std::lock_guard<std::mutex> lock(mutex_);
   free_pages_.push_back(page);
-  used_ -= kPageBytes;
+  used_ -= kHostPageBytes;
 }
 
 void* HostBackend::va_reserve(std::size_t bytes) {
@@ -73,7 +73,7 @@ void* HostBackend::va_reserve(std::size_t bytes) {
     va_reserved_ += bytes;
   }
   // Over-reserved by a page, then trimmed to a page-aligned range.
-  const std::size_t span = bytes + kPageBytes;
+  const std::size_t span = bytes + kHostPageBytes;
   void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -81,7 +81,7 @@ void* HostBackend::va_reserve(std::size_t bytes) {
     return nullptr;
   }
   const auto start = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t base = (start + kPageBytes - 1) / kPageBytes * kPageBytes;
+  const std::uintptr_t base = (start + kHostPageBytes - 1) / kHostPageBytes * kHostPageBytes;
   if (base > start) ::munmap(raw, base - start);
   const std::uintptr_t tail = start + span - (base + bytes);
   if (tail > 0) ::munmap(reinterpret_cast<void*>(base + bytes), tail);
@@ -97,10 +97,10 @@ void HostBackend::va_release(void* base, std::size_t bytes) {
 void HostBackend::page_map(void* address, PageHandle page) {
   std::lock_guard<std::mutex> lock(mutex_);
   // A forked child maps fresh anonymous memory: the memfd's pages are its parent's.
-  void* got = forked_ ? ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE,
+  void* got = forked_ ? ::mmap(address, kHostPageBytes, PROT_READ | PROT_WRITE,
                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
-                      : ::mmap(address, kPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                               fd_, static_cast<off_t>(page * kPageBytes));
+                      : ::mmap(address, kHostPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE,
+                               fd_, static_cast<off_t>(page * kHostPageBytes));
   if (got == MAP_FAILED) fail("mmap of a page");
   mapped_[reinterpret_cast<std::uintptr_t>(address)] = page;
 }
@@ -112,7 +112,7 @@ void HostBackend::page_unmap(void* address, std::size_t bytes) {
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (got == MAP_FAILED) fail("mmap PROT_NONE over pages");
   const auto start = reinterpret_cast<std::uintptr_t>(address);
-  for (std::uintptr_t at = start; at < start + bytes; at += kPageBytes) mapped_.erase(at);
+  for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) mapped_.erase(at);
 }
 
 // Note [Pages after fork]: fork() copies a process's private memory copy-on-write,
@@ -130,8 +130,8 @@ void HostBackend::reset_after_fork() {
   new (&mutex_) std::mutex();
   forked_ = true;
   for (const auto& [address, page] : mapped_) {
-    void* got = ::mmap(reinterpret_cast<void*>(address), kPageBytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_FIXED, fd_, static_cast<off_t>(page * kPageBytes));
+    void* got = ::mmap(reinterpret_cast<void*>(address), kHostPageBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_FIXED, fd_, static_cast<off_t>(page * kHostPageBytes));
     if (got == MAP_FAILED) {  // in a child of fork(): say it, as the rest cannot be undone
       std::fprintf(stderr, "wwrun allocator: a page stays shared with the parent after fork: %s\n",
                    std::strerror(errno));

@@ -1,12 +1,19 @@
 // A backend on host memory with simulated streams and events, so that every rule
 // of the allocator runs on a CPU-only machine.
 //
-// Pages: one memfd holds every page (page i at offset i * kPageBytes), so a page
+// Pages: one memfd holds every page (page i at offset i * kHostPageBytes), so a page
 // can be mapped at any address (mmap MAP_FIXED|MAP_SHARED over a PROT_NONE
 // reservation) and keeps its contents when it moves, as a CUDA page does. A
 // released page is punched out of the file (fallocate PUNCH_HOLE): its memory
 // goes back to the kernel, and the page comes back zeroed when created again.
-// `capacity` bytes make capacity / kPageBytes pages.
+// `capacity` bytes make capacity / kHostPageBytes pages.
+//
+// A page is 512 KiB here, a quarter of a GPU's: the CPU runs budgets of tens to
+// hundreds of MiB where a GPU has tens of GiB, and a page as coarse as the
+// driver's would weigh ~30x more against them (a job's partly used last pages:
+// the quickstart's transformer held 24 MiB of pages for 20.6 MiB of blocks, 21
+// with these). Each page is one mmap, so smaller ones would cost more calls and
+// mappings (vm.max_map_count) for little.
 //
 // Simulation: each stream has a count of events recorded on it and a count of
 // events completed. A stream is "running" unless a test holds it: events recorded
@@ -34,10 +41,14 @@ struct HostEvent {
 // (waiting stream, stream of the event, seq of the event)
 using WaitRecord = std::tuple<StreamId, StreamId, std::uint64_t>;
 
+constexpr std::size_t kHostPageBytes = 512 << 10;
+
 class HostBackend : public Backend {
  public:
   explicit HostBackend(std::size_t capacity_bytes);
   ~HostBackend() override;
+
+  std::size_t page_bytes() const override { return kHostPageBytes; }
 
   bool pages_create(std::size_t count, std::vector<PageHandle>* pages) override;
   void page_release(PageHandle page) override;
@@ -87,11 +98,12 @@ class HostBackend : public Backend {
   bool forked_ = false;
   std::unordered_map<std::uintptr_t, PageHandle> mapped_;  // page address -> page
   std::size_t va_reserved_ = 0;
-  // Address space the ranges may reserve. Ranges keep their extent while pages are
-  // cut out of their middle, so they need more than the capacity: four times it,
-  // or, under an RLIMIT_AS (`ulimit -v`, which threads' stacks need too), the
-  // capacity and an eighth (at 512 MiB the eighth alone failed a request with 71
-  // pages free).
+  // Address space the ranges may reserve. Each job's ranges keep their extent and
+  // room while their pages are cut out (Note [Layouts]), so they need much more
+  // than the capacity: sixteen times it and 64 GiB (reserved PROT_NONE and
+  // MAP_NORESERVE, it costs no memory), or, under an RLIMIT_AS (`ulimit -v`,
+  // which threads' stacks need too), the capacity and an eighth (at 512 MiB the
+  // eighth alone failed a request with 71 pages free).
   std::size_t va_budget_;
   std::unordered_map<StreamId, SimStream> streams_;
   std::vector<WaitRecord> waits_;

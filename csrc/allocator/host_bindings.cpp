@@ -129,6 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](HostAllocator& self) {
              return wwrun::alloc::snapshot_dict(self.allocator().snapshot());
            })
+      .def("check_invariants",
+           [](HostAllocator& self) { return self.allocator().check_invariants(); })
       .def("segments",
            [](HostAllocator& self) {
              return wwrun::alloc::segments_list(self.allocator().segments());

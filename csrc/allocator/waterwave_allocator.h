@@ -9,32 +9,34 @@
 // ---------------------------------------------------------------------------
 // Policy
 // ---------------------------------------------------------------------------
-// The budget is physical pages (kPageBytes, 2 MiB), mapped into virtual ranges
-// (segments) that are stitched from free pages wherever they are and give their
-// empty pages back when another request needs them (Note [Pages]). Blocks come
-// from the ranges, rounded into size classes, found best-fit, split and
-// coalesced. Small requests (<= 1 MiB) and large ones use separate ranges and
-// pools, as in c10, so long-lived small tensors do not pin large ranges; tiny
-// ones (<= 256 KiB) have their own too (size_classes.h). A freed
-// block remembers its stream, the job it belonged to, and an event recorded at
-// free time on that stream (Note [Lazy events]). An allocation
-// of size n on stream S takes, in priority order:
-//   a. a free block last used on S (stream order makes it safe at once);
-//   b. a free block whose event has completed, from any stream;
-//   c. a free block from another stream whose event is still pending: S is made
-//      to wait for that event on the device (cudaStreamWaitEvent; the host never
-//      blocks); among several, the oldest event first;
-//   d. a range of the request's class whose last block is free (and safe for S
-//      at once) grows in place by the pages it lacks; else a new range of the
-//      pages the request needs, with its class's room to grow (size_classes.h:
-//      c10's expandable segments). Pages come from the budget's free pages first,
-//      then the whole pages of ready free blocks anywhere, then fresh from
-//      the device;
-//   e. the whole empty pages of free blocks in any job's ranges go back to the
-//      budget: waiting on the host for the events of pending ones (and any
-//      block that became ready since d); then d is tried again. Last, a free
-//      block in the ranges of another size class, taken as in a-c (Note
-//      [Borrowing]);
+// The budget is physical pages (page_: 2 MiB on a GPU, the driver's granularity;
+// 512 KiB on the host, host_backend.h). Each job's blocks live in
+// ranges (segments) of its own: virtual memory in which pages are mapped under
+// live blocks on demand, and from which idle pages are cut out in place when
+// another request needs them (Note [Layouts]). Blocks come from the ranges,
+// rounded into size classes, found best-fit, split and coalesced. Small requests
+// (<= 1 MiB) and large ones use separate ranges and pools, as in c10, so
+// long-lived small tensors do not pin large ranges; tiny ones (<= 256 KiB) have
+// their own too (size_classes.h). A freed block remembers its stream and an
+// event recorded at free time on that stream (Note [Lazy events]). An
+// allocation of size n on stream S, for job J, takes in priority order:
+//   a./b. the best-fitting free block of J's ranges that S may use at once: one
+//      last used on S (stream order makes it safe), or one whose event has
+//      completed, whichever is tighter (so that a job's layout does not depend
+//      on when its events complete);
+//   c. a free block of J's from another of its streams whose event is still
+//      pending: S is made to wait for that event on the device
+//      (cudaStreamWaitEvent; the host never blocks); among several, the oldest
+//      event first;
+//   d. no free block of J's fits: a new range of J's, virtual memory only, with
+//      its class's room (size_classes.h: c10's segment sizes, or the request's
+//      pages and as much again). Whichever block a-d gives, the pages under the
+//      bytes handed out that are not mapped are mapped now: the budget's free
+//      pages, idle pages (mapped, under no live block, ready) of ended jobs'
+//      ranges, then fresh ones from the device;
+//   e. at the limit, idle pages cut out of running jobs' ranges: the job's own
+//      first, then the others'; then those behind pending events too (the host
+//      waits for their events); then d is tried again;
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
 //      itself waiting here, none will free: the latest to arrive fails at once
@@ -42,28 +44,33 @@
 //      [Rule f deadlock]);
 //   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage, the device's usage by job, and what was free at
-//      the moment of the decision: whole pages, and the largest free block.
+//      the moment of the decision: whole pages, and the largest free run.
 // A job's own limit is checked first: beyond it the job goes straight to g.
 //
-// Isolation: a block handed to job J is zeroed on J's stream unless every byte of
-// it was last owned by J or is clean (see Note [Owners]). A page that moves into
-// a new range for J is zeroed unless it held J's data or is clean; fresh pages
-// are zeroed once unless the backend's come zeroed (the host's do).
-// Zeroing at hand-out goes through Backend::memset_zero, one call per block,
-// issued after the allocator lock is released (allocate() in allocator_core.cpp).
-// When a job ends, its dirty free blocks are scrubbed ahead of time in one batch
-// (Note [Batched scrub]), so that later hand-outs of them need no memset.
+// Isolation: blocks never pass between jobs, only pages do, and a page mapped
+// for J is zeroed (the part under J's block, on J's stream; a free neighbour
+// sharing the page is marked to be zeroed when it is handed out) unless it held
+// J's data or is clean; fresh pages are zeroed once unless the backend's come
+// zeroed (the host's do). Within a job, a block is zeroed at hand-out only where
+// the job is not provably one (Note [Side streams]). Zeroing goes through
+// Backend::memset_zero, issued with the allocator lock released and the block
+// held apart. When a job ends, its dirty free memory is scrubbed ahead of time in
+// one batch (Note [Batched scrub]), so that its pages move clean later.
 //
 // ---------------------------------------------------------------------------
 // Glossary
 // ---------------------------------------------------------------------------
-//   Page      kPageBytes of physical memory (Backend::pages_create); mapped in a
+//   Page      page_ bytes of physical memory (Backend::pages_create); mapped in a
 //             range, or free in the budget (free_pages_), unmapped, remembering
 //             whose data it holds.
-//   Segment   a range: pages mapped at consecutive addresses of reserved virtual
-//             memory; split into Blocks.
+//   Segment   a range: virtual memory of one job and one size class, split into
+//             Blocks; its pages are mapped or not, each (PageSlot).
 //   Block     a contiguous range of a segment, allocated or free; neighbours in
-//             address order are linked, so coalescing is O(1).
+//             address order are linked, so coalescing is O(1). An allocated
+//             block's pages are all mapped; a free one's may not be.
+//   held      a page under at least one live block: what a job holds (its held
+//             bytes, which the engine plans with); the other mapped pages of a
+//             range are idle, anyone's once their blocks are ready.
 //   EventRef  a pooled, reference-counted backend event; the blocks split from
 //             one freed block share its event.
 //   pending   a free block whose event has not been seen complete: only its own
@@ -72,42 +79,42 @@
 //   deferred  a freed block also used on other streams (record_stream): it joins
 //             the free blocks once the events on all those streams complete.
 //   in scrub  a free block of an ended job being zeroed by a batched scrub: in no
-//             pool, never handed out, coalesced or released until finish_scrub.
+//             pool, never handed out, coalesced or cut until finish_scrub.
 //   Job       a named user of the allocator; streams are bound to jobs, and an
 //             unbound stream belongs to job 0, "default" (Note [Side streams]).
 //
-// Note [Pages]. Jobs that share one budget take turns with memory whose shape
-// changes: blocks cached in one job's ranges must reach the next job whatever
-// their size. So the budget is pages, and ranges are made of them:
-//   - rule d maps a range's pages at a virtual range of its own (va_take, from
-//     reservations the core makes): free pages of the budget
-//     first, wherever they came from, then fresh ones within the limit. A range
-//     is thus stitched from scattered pages, and a request fails only when the
-//     budget lacks pages, never because free memory is scattered. A range maps
-//     only the pages its request needs and keeps virtual room behind it: when
-//     its last block is free, it grows there (grow_range), so a request a little
-//     larger than that block takes it whole and adds only the pages it lacks,
-//     and blocks run on across page boundaries (three 0.56 MiB activations
-//     once held a 2 MiB page each, a third of a MiB left at its end).
-//   - rule e cuts the whole pages out of free blocks (cut_pages): the range is
-//     split around them, they are unmapped, and join the budget's free pages
-//     with their owner. Only once their last use completed: a ready block's at
-//     once, a pending block's after the host waited for its event (unmapping
-//     memory the device still uses is undefined). The slivers either side stay.
-//   - empty pages stay mapped while nobody needs them (remapping is a driver
-//     call per page and, on the host, page faults), but a new range takes them
-//     before fresh ones (cut_idle_pages, in d): memory grows only when what is
-//     cached cannot serve, so reserved tracks what the jobs hold (it once rose
-//     to the limit with half of it idle in other ranges). Rule e adds
-//     pending blocks' pages, and empty_cache returns idle ones to the device.
-// Every byte of a ready free block's whole pages is usable by any job's
-// request before it waits (f) or fails (g); what no request can use is the
-// slivers smaller than a page at a range's free edges, and memory behind
-// pending events, record_stream uses, or a batched scrub.
+// Note [Layouts]. Jobs that share one budget take turns with memory whose shape
+// changes. When blocks flowed between jobs, one job's frees left holes among the
+// others' blocks, and whether a request fitted depended on how the jobs' blocks
+// had interleaved: a scheduler could only keep a margin and hope. So blocks stay
+// in their job's ranges, and pages flow instead:
+//   - a job's ranges, blocks and best-fit choices depend on its own requests
+//     alone, never on other jobs or on memory pressure: cutting an idle page out
+//     unmaps it in place (the block over it stays free, the range keeps its
+//     shape), and a block handed out later over it gets a page mapped there
+//     again (PyTorch's expandable segments map pages on demand the same way);
+//   - so the pages a job holds (held bytes: pages under its live blocks) follow
+//     the same course beside other jobs as alone, and a request succeeds
+//     whenever the pages all jobs hold leave room for the ones it adds: the
+//     engine plans in held bytes, exactly, with no margin for fragmentation;
+//   - idle pages stay mapped while nobody needs them (remapping is a driver call
+//     per page and, on the host, page faults; a page that changes jobs is
+//     zeroed too): a running job's cache moves only at the limit (e), when the
+//     device has no fresh page to give, as Waterwave's flow needs it;
+//   - a page is unmapped only once its last use completed: a ready block's at
+//     once, a pending block's after the host waited for its event (e; unmapping
+//     memory the device still uses is undefined). Within a job, blocks still
+//     pass between its streams behind device-side waits (c).
+// Every idle page is usable by any job's request before it waits (f) or fails
+// (g); what no other job can use is the free bytes of partly held pages, which
+// its own owner's layout keeps and the engine counts as held.
 //
-// Note [Owners]: a free block's owner is the job whose data it holds, kClean for
-// zeroed memory, or kMixed after coalescing blocks of different jobs. Mixed blocks
-// are zeroed for every job: conservative, never leaking.
+// Note [Owners]: a free block's owner is the job whose data its mapped bytes
+// hold, kClean for zeroed memory, or kMixed when they may hold several jobs'
+// (a page shared with a block that was zeroed only in part, the default job's
+// data from two streams, fresh pages a device hands out unzeroed). Mixed blocks
+// are zeroed for every job: conservative, never leaking. A free page remembers
+// its owner the same way.
 //
 // Note [Lazy events]: while the allocator has seen a single stream, no other
 // stream can take a freed block, so frees share one event that is recorded only
@@ -117,35 +124,29 @@
 // single job's hot path. From the second stream on, every free records its own
 // event, as the policy says.
 //
-// Note [Batched scrub]: zeroing at hand-out costs one memset per block, on the
-// receiving job's stream, at the moment it wants the memory (a fused launch
-// would gain nothing there: it is one range). When a job ends
+// Note [Batched scrub]: a page that moves to another job is zeroed on the
+// receiving job's stream, at the moment it wants the memory. When a job ends
 // (wwrun.memory.allocator.unregister_job, from the job's thread once its script ended),
-// the free blocks still holding its data are scrubbed at once instead, in ONE
-// launch of the Triton zero_ranges_ kernel on a dedicated scrub stream:
-//   1. take_dirty_blocks(job, scrub): each free block owned by the job alone
-//      (not clean, not kMixed, not deferred) leaves its pool and is marked in
-//      scrub; the scrub stream is made to wait on the block's pending event, so
-//      the kernel runs after the job's last use of it. Returns the ranges.
+// the free memory still holding its data is scrubbed at once instead, in ONE
+// launch of the Triton zero_ranges_ kernel on a dedicated scrub stream, so that
+// its pages move clean later:
+//   1. take_dirty_blocks(job, scrub): each free block of the job's ranges holding
+//      its data (not clean, not deferred) leaves its pool and is marked in scrub;
+//      the scrub stream is made to wait on the block's pending event, so the
+//      kernel runs after the job's last use of it. Returns the block's mapped
+//      runs (unmapped pages hold nothing).
 //   2. Python launches zero_ranges_ over them on the scrub stream, with no
 //      allocator lock held: the launch itself allocates its range table through
 //      the allocator (on the scrub stream, job "default").
 //   3. finish_scrub(ranges, scrub, zeroed): one event is recorded on the scrub
 //      stream and the blocks return to the free pool as clean, pending behind it
-//      on the scrub stream. A job taking one later needs no memset; while the
-//      event is pending it gets the block by rule c (its stream waits on the
-//      scrub on the device), so the host never blocks.
-// A whole free block is zeroed, clean bytes coalesced into it included: device
-// bandwidth is cheap next to a memset on a job's critical path. Returning, a
-// clean block may absorb a ready neighbour holding another job's data; the merged
-// block is then that job's again (Note [Owners]): conservative, never leaking.
+//      on the scrub stream. Their pages go to another job without a memset, once
+//      the host has seen that event (rule e waits for it if need be).
 // In-scrub blocks are in no pool and no neighbour absorbs them, so they are
-// never handed out, coalesced or released (rule e cuts no page out of them). Should
-// the launch fail, finish_scrub(zeroed=false) returns them still dirty, and
-// hand-out zeroing covers them as before. Blocks the job frees after its end
-// (module globals dropped later), or that were mixed with another job's data,
-// are zeroed at hand-out. Bytes are counted by kind: scrubbed_bytes (memset at
-// hand-out) and batch_scrubbed_bytes (batched, charged to the ended job).
+// never handed out, coalesced or cut. Should the launch fail,
+// finish_scrub(zeroed=false) returns them still dirty, and the pages are zeroed
+// as they move. Bytes are counted by kind: scrubbed_bytes (memset as memory
+// moves to a job) and batch_scrubbed_bytes (batched, charged to the ended job).
 //
 // Note [Side streams]: a job's own extra streams (a script's torch.cuda.Stream())
 // are never registered. Such a stream belongs to the job whose marked thread
@@ -164,9 +165,13 @@
 // waiting for other jobs' frees (rule f waits on a condition variable).
 // Mapping, unmapping and releasing idle pages, and reserving virtual memory,
 // are quick calls made under it, so that no page is ever in no one's count.
+// Pages are mapped under one block at a time (mapping_): the blocks held apart
+// meanwhile (the one handed out, neighbours sharing a page being zeroed) are
+// then never two threads' at once. Requests that need no new page go on.
 #pragma once
 
 #include <chrono>
+#include <array>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -237,18 +242,31 @@ struct Block {
   Block* fifo_next = nullptr;
 };
 
+// One page of a segment's virtual memory.
+struct PageSlot {
+  PageHandle handle = 0;
+  bool mapped = false;
+  std::uint32_t uses = 0;  // live (or deferred, or in-scrub) blocks over it: held while > 0
+};
+
+// Invariants, for a segment G:
+//   G.pages.size() * page_ == G.size
+//   G.mapped == count of mapped slots;  G.idle == count of mapped slots with uses == 0
+//   every page under an allocated block is mapped
 struct Segment {
   char* base = nullptr;  // page-aligned
-  std::size_t size = 0;  // a multiple of kPageBytes
+  std::size_t size = 0;  // its virtual memory, a multiple of the page; fixed
   Block* head = nullptr;
+  JobId job = kDefaultJob;  // whose blocks it holds (Note [Layouts])
   PoolIndex pool = kLargePool;  // the requests it serves (size_classes.h)
   StreamId stream = 0;  // the stream it was created for (memory snapshots)
-  std::vector<PageHandle> pages;  // pages[i] is mapped at base + i * kPageBytes
-  char* va_end = nullptr;  // its virtual memory, mapped or not, ends here: room to grow
+  std::vector<PageSlot> pages;  // pages[i] at base + i * page
+  std::size_t mapped = 0;
+  std::size_t idle = 0;
   bool small() const { return pool != kLargePool; }  // serves requests <= kSmallRequestBytes
 };
 
-// A page of the budget that no range maps (Note [Pages]).
+// A page of the budget that no range maps (Note [Layouts]).
 struct FreePage {
   PageHandle handle = 0;
   JobId owner = kClean;  // whose data it holds (Note [Owners])
@@ -273,7 +291,8 @@ struct StreamPool {
   Block* fifo_tail = nullptr;
 };
 
-// All free blocks of one size kind (tiny, small or large: pool_index).
+// All free blocks of one job's ranges of one size kind (tiny, small or large:
+// pool_index).
 struct Pool {
   std::unordered_map<StreamId, StreamPool> pending;  // by the stream last used on
   BlockSet ready;
@@ -286,13 +305,13 @@ struct JobStats {
   Stat allocated_bytes;
   Stat requested_bytes;
   Stat allocations;       // live blocks
-  // The most allocated since the engine last looked (take_window): a NodeGroup's or
-  // an iteration's peak, without disturbing the job's lifetime peak above.
+  // The pages under its live blocks (Note [Layouts]): what it holds of the budget.
+  Stat held_bytes;
+  // The most held since the engine last looked (take_window): a NodeGroup's or an
+  // iteration's peak, without disturbing the job's lifetime peak above.
   std::int64_t window_peak = 0;
   std::int64_t num_ooms = 0;
-  // Its largest block: the contiguous room its next request may need, which free
-  // bytes scattered in others' segments cannot give (the engine's sharing headroom).
-  std::int64_t largest_block = 0;
+  std::int64_t largest_block = 0;  // its largest block, for the report
   std::int64_t scrubbed_bytes = 0;  // zeroed at hand-out to this job: another job's data was there
   std::int64_t batch_scrubbed_bytes = 0;  // this job's data zeroed by batched scrubs
 };
@@ -307,13 +326,12 @@ struct DeviceStats {
   std::int64_t num_alloc_retries = 0;  // times rule e or f was tried
   std::int64_t num_release_waits = 0;  // times rule f waited for other jobs' frees
   std::int64_t num_release_deadlocks = 0;  // jobs failed because all they waited for waited too
-  std::int64_t num_borrows = 0;  // requests served from another size class's range (Note [Borrowing])
   std::int64_t rule_count[kNumRules] = {};
   std::int64_t scrubbed_bytes = 0;        // cross-job zeroing at hand-out (one memset per block)
   std::int64_t batch_scrubbed_bytes = 0;  // cross-job zeroing by batched scrubs
   std::int64_t scrub_batches = 0;         // batched scrubs finished (one launch each)
   std::int64_t fresh_scrubbed_bytes = 0;  // fresh pages zeroed once (not the host's)
-  std::int64_t num_page_moves = 0;        // pages cut out of a range to serve another (rule e)
+  std::int64_t num_page_moves = 0;        // idle pages cut out of a range to serve a request (d, e)
   std::int64_t pending_event_bytes = 0;   // free, deferred or in-scrub bytes behind pending events
 };
 
@@ -321,8 +339,9 @@ struct Snapshot {
   DeviceStats device;
   std::vector<JobStats> jobs;
   std::int64_t fragmentation_bytes = 0;  // reserved - allocated
-  std::int64_t largest_free_block = 0;
-  std::int64_t free_page_bytes = 0;  // whole free pages: the budget's, and inside free blocks
+  std::int64_t largest_free_block = 0;  // the longest mapped run of free bytes in one block
+  std::int64_t free_page_bytes = 0;  // whole free pages: the budget's, and idle ones in ranges
+  std::int64_t page_bytes = 0;  // the backend's page
 };
 
 struct BlockInfo {
@@ -408,9 +427,9 @@ class MemoryFlowAllocator {
   // job, else the calling thread's job, else its side-stream job, else default.
   JobId job_of_stream(StreamId stream) const;
   std::optional<JobId> find_job(const std::string& name) const;
-  // A job's allocated bytes now and at most since its window last restarted;
-  // `restart` starts a new window. One lock, no copy: the engine calls it at
-  // NodeGroup boundaries.
+  // A job's held bytes (the pages under its live blocks, Note [Layouts]) now and
+  // at most since its window last restarted; `restart` starts a new window. One
+  // lock, no copy: the engine calls it at NodeGroup boundaries.
   struct Window {
     std::int64_t current;
     std::int64_t peak;
@@ -431,10 +450,10 @@ class MemoryFlowAllocator {
   // Records lazily held events (Note [Lazy events]), then moves free blocks
   // whose events completed to the ready pool.
   void process_events();
-  // Rule e on demand (empty_cache): returns to the device the whole pages of
-  // free blocks and the budget's free pages, or with `job` only those holding
-  // that job's data alone (a job's empty_cache must not take other jobs' cache
-  // away, nor wait on their streams). Returns bytes.
+  // empty_cache: returns to the device the idle pages of every range and the
+  // budget's free pages, or with `job` only the idle pages of that job's ranges
+  // (a job's empty_cache must not take other jobs' cache away, nor wait on
+  // their streams). Returns bytes.
   std::size_t release_free_segments(std::optional<JobId> job = std::nullopt);
   // cacheInfo for a thread on `stream` (cuDNN sizes benchmark workspaces by it):
   // the largest block it could get, cached or fresh (`device_free`), capped at
@@ -443,13 +462,17 @@ class MemoryFlowAllocator {
   std::size_t largest_block_for(StreamId stream, std::size_t device_free,
                                 std::size_t device_total) const;
 
+  std::size_t page_bytes() const { return page_; }
   Snapshot snapshot() const;
+  // "" when the invariants hold, else the first one found broken (tests).
+  std::string check_invariants() const;
   std::vector<SegmentInfo> segments() const;
   void reset_peak(std::optional<JobId> job);        // nullopt: the device and all jobs
   void reset_accumulated(std::optional<JobId> job);
   void set_reserved_limit(std::size_t bytes);
   std::size_t reserved_limit() const;
-  // The segment containing ptr: its base, and its size in *size. nullptr if none.
+  // The mapped run of the segment containing ptr: its base, and its size in
+  // *size. nullptr if none.
   void* segment_base(void* ptr, std::size_t* size) const;
   std::size_t largest_free_block() const;
 
@@ -467,34 +490,42 @@ class MemoryFlowAllocator {
  private:
   using Lock = std::unique_lock<std::mutex>;
 
+  using Pools = std::array<Pool, kPoolCount>;  // one job's, by PoolIndex
   Block* take_free_block(Pool& pool, std::size_t size, StreamId stream, Allocation& out);
-  Block* borrow_free_block(std::size_t size, StreamId stream, Allocation& out);
   Block* take_pending_from_other_streams(Pool& pool, std::size_t size, StreamId stream);
-  // Runs of pages zeroed on their way from one job to another: (start, bytes).
+  Block* new_range(std::size_t size, StreamId stream, JobId job);
+  // Runs of bytes zeroed on their way from one job to another: (start, bytes).
   using ZeroRuns = std::vector<std::pair<char*, std::size_t>>;
-  Block* new_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
-  Block* grow_range(Lock& lock, std::size_t size, StreamId stream, JobId job);
+  bool map_under(Lock& lock, Block* block, std::size_t size, StreamId stream, JobId job,
+                 int& stage, std::size_t& lacking, std::size_t& spare, Allocation& out);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
-  void map_pages(char* at, const std::vector<FreePage>& pages, JobId job, JobId& owner,
-                 ZeroRuns& zero_runs);
+  void map_pages(Block* block, const std::vector<std::size_t>& slots,
+                 const std::vector<FreePage>& pages, JobId job, ZeroRuns& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
-  std::size_t cut_idle_pages(std::size_t wanted, JobId job);
+  std::size_t cut_idle_pages(std::size_t wanted, JobId job, bool ended_only = false);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
-  std::size_t cut_pages(Block* block);
-  static std::size_t whole_pages(const Block* block);
+  std::size_t cut_pages(Block* block, std::vector<FreePage>* into = nullptr);
+  std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr);
+  bool lacks_pages(const Block* block, std::size_t size) const;
+  std::vector<std::size_t> unmapped_slots(const Block* block, std::size_t size) const;
+  void end_mapping(Block* block, bool keep);
+  void release_held(Block* block);
+  void use_pages(const Block* block, int delta);
+  void drop_unused_segments(bool active_too);
+  std::size_t idle_pages_locked() const;
   std::size_t free_whole_pages_locked() const;
+  std::size_t mapped_run(const Block* block) const;
   char* va_take(std::size_t bytes);
   void va_give(char* base, std::size_t bytes);
-  bool trim_growth_room();
   bool release_free_reservations();
-  Pool& pool_of(const Block* block) { return pools_[block->segment->pool]; }
-  Pool& pool_for(std::size_t size) { return pools_[pool_index(size)]; }
+  Pool& pool_of(const Block* block) { return pools_[block->segment->job][block->segment->pool]; }
   bool over_limit(JobId job, std::size_t size) const;
   bool within_reserved_limit(std::size_t segment_bytes) const;
   std::optional<JobId> find_job_locked(const std::string& name) const;
   Block* carve(Block* block, std::size_t size, std::size_t requested, StreamId stream,
                JobId job, Allocation& out);
-  void process_events_locked();
+  void process_events_locked(std::optional<JobId> job = std::nullopt);
+  void process_pool_events(Pool& pool);
   JobId job_of_stream_locked(StreamId stream) const;
   static bool is_idle_free(const Block* block) {
     return !block->allocated && !block->deferred && !block->in_scrub;
@@ -528,6 +559,7 @@ class MemoryFlowAllocator {
 
   Backend& backend_;
   Options options_;
+  const std::size_t page_;  // the backend's page: the unit memory flows in
   mutable std::mutex mutex_;
   std::condition_variable freed_cv_;  // rule f: signalled on every free
   std::uint64_t free_count_ = 0;
@@ -542,21 +574,23 @@ class MemoryFlowAllocator {
 
   std::map<char*, Segment*> segments_;  // by base address
   std::unordered_map<void*, Block*> live_;
-  Pool pools_[kPoolCount];  // by PoolIndex
+  std::vector<Pools> pools_;  // by JobId: each job's free blocks (Note [Layouts])
   std::vector<Block*> deferred_;
-  std::unordered_map<void*, Block*> in_scrub_;  // by address
+  std::unordered_map<void*, std::pair<Block*, std::size_t>> in_scrub_;  // by run: (block, run bytes)
   std::vector<EventRef*> event_pool_;
   std::optional<StreamId> only_stream_;  // the single stream seen so far
   bool eager_events_ = false;            // a second stream was seen
   std::unordered_map<StreamId, EventRef*> lazy_events_;  // not yet recorded
   std::uint64_t event_serial_ = 0;
   std::size_t reserving_bytes_ = 0;  // fresh pages being created with the lock released
-  std::vector<FreePage> free_pages_;  // the budget's unmapped pages (Note [Pages])
+  bool mapping_ = false;  // a thread is mapping pages under a block it holds (map_under)
+  std::vector<FreePage> free_pages_;  // the budget's unmapped pages (Note [Layouts])
+  std::size_t idle_pages_ = 0;  // mapped pages under no live block, over all ranges
   // Virtual memory: reservations (at least Backend::va_arena_bytes each) by
   // base, and their unused parts by address (coalesced within a reservation,
   // never across two). A reservation wholly unused goes back to the backend.
-  // A range's virtual room beyond its pages, to grow into (rule d): its
-  // class's (range_room), at least as much again as its pages, at most kGrowBytes.
+  // A new range's virtual memory: its class's room (range_room), at least as
+  // much again as its request's pages, at most kGrowBytes more.
   static constexpr std::size_t kGrowBytes = std::size_t{1} << 30;
   std::map<char*, std::size_t> arenas_;
   std::map<char*, std::size_t> free_va_;

@@ -335,10 +335,10 @@ class HostAllocator:
         self._impl.process_events()
 
     def empty_cache(self, job: str | None = None) -> int:
-        """Returns the whole empty pages of free blocks, and the budget's free pages,
-        to the device (rule e on demand); returns the bytes released. With `job`,
-        only the pages holding that job's data alone, as a job's
-        torch.cuda.empty_cache() does: other jobs keep their cache."""
+        """Returns the idle pages of the ranges (mapped, under no live block), and the
+        budget's free pages, to the device; returns the bytes released. With `job`,
+        only the idle pages of that job's ranges, as a job's torch.cuda.empty_cache()
+        does: other jobs keep their cache."""
         return self._impl.empty_cache(None if job is None else self._job_id(job))
 
     def cache_info(self, stream: int) -> int:
@@ -364,8 +364,16 @@ class HostAllocator:
         return _job_view(self.stats(), _check_job(job))
 
     def segments(self) -> list[dict]:
-        """Each segment with its blocks in address order."""
+        """Each mapped run of the ranges, with the blocks over it in address order
+        (free ones cut to it), as torch reports segments."""
         return self._impl.segments()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError naming the first invariant of the allocator's
+        ranges, blocks and pages found broken (waterwave_allocator.h; for tests)."""
+        broken = self._impl.check_invariants()
+        if broken:
+            raise AssertionError(f"wwrun allocator: {broken}")
 
     def reset_peak_stats(self, job: str | None = None) -> None:
         """Peaks back to current figures: one job's, or (None) the device's and every job's."""
@@ -421,10 +429,12 @@ def unmark_job_thread() -> None:
 
 
 def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]]:
-    """A cheap reader of `job`'s allocated bytes on the run's allocator ("cpu" or
-    "cuda"): `meter(restart)` returns (bytes now, most since the window last
-    restarted) and with `restart` starts a new window. The engine reads NodeGroups'
-    and iterations' peaks with it; the job's lifetime peak is not disturbed."""
+    """A cheap reader of `job`'s held bytes on the run's allocator ("cpu" or
+    "cuda"): the pages under its live blocks, what it holds of the budget (Note
+    [Layouts] in csrc/allocator/waterwave_allocator.h). `meter(restart)` returns
+    (bytes now, most since the window last restarted) and with `restart` starts a
+    new window. The engine reads NodeGroups' and iterations' peaks with it; the
+    job's lifetime peak is not disturbed."""
     _check_job(job)
     if device == "cuda":
         module, index = _cuda(), torch.cuda.current_device()
