@@ -558,9 +558,10 @@ def test_nodegroups_option_sets_the_number_of_groups(groups):
 
 
 def test_under_the_allocator_the_scheduler_plans_whole_pages():
-    """The allocator's budget is 2 MiB pages: 1.7 MiB of a 23.7 MiB limit is no request's."""
+    """The allocator's budget is pages (2 MiB on a GPU): 1.7 MiB of a 23.7 MiB limit is
+    no request's."""
     meter = lambda name: (lambda reset: (0, 0))  # noqa: E731 (the engine only checks it is there)
-    engine = Engine(int(23.7 * 2**20), "waterwave", meter=meter)
+    engine = Engine(int(23.7 * 2**20), "waterwave", meter=meter, page_bytes=2 << 20)
     assert engine.scheduler.capacity == 22 << 20
     engine.set_capacity(40 << 20 | 12345)
     assert engine.scheduler.capacity == 40 << 20

@@ -82,8 +82,8 @@ def test_temporaries_the_engine_cannot_see_as_saved_tensors_stay_under_the_limit
 def test_two_jobs_that_each_fit_alone_both_finish_under_a_limit_that_holds_one(tmp_path, width, batch):
     """Each job's peak is two thirds of the limit: they take turns. Two ways this
     failed: once larger blocks' segments reserved the whole limit, a job's small
-    blocks (its logits) found no segment of their own size class (now they take a
-    free block in a larger one's, Note [Borrowing]); and the other job's pass started
+    blocks (its logits) found no segment of their own size class (now idle pages move
+    to whichever range needs them, Note [Layouts]); and the other job's pass started
     during a newcomer's first backward, which its profile had not measured (now no
     pass starts beside a profiled iteration until its step)."""
     job = [str(CHECKOUT / "benchmarks" / "train_job.py"), "--width", str(width), "--batch", str(batch), "--steps", "6"]

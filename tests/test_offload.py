@@ -194,8 +194,8 @@ def test_a_job_twice_too_large_trains_to_the_same_losses_under_the_limit(tmp_pat
 
 def test_a_job_that_fits_offloads_nothing_once_measured(tmp_path):
     """Issue 23: auto offloads only where the job could not fit otherwise. This one
-    (claim ~13.2 MiB, ~15.3 MiB in all, blocks of up to 1 MiB) fits 20 MiB with room
-    for its largest block and a page's tails: its profiled pass may stash on trial,
+    (claim ~13.2 MiB, ~15.3 MiB in all, blocks of up to 1 MiB) fits 20 MiB with a
+    page to spare: its profiled pass may stash on trial,
     but once it is measured no step stashes, and the losses are never's."""
     def run(mode, steps):
         args = [*BIG, "--steps", str(steps)]

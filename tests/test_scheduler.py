@@ -35,8 +35,8 @@ class SimJob:
         return sum(self.groups)
 
 
-def simulate(jobs, capacity, rng, queue="fifo", max_steps=100_000, headroom=0):
-    sched = Scheduler(capacity, queue=queue, headroom_per_job=headroom)
+def simulate(jobs, capacity, rng, queue="fifo", max_steps=100_000):
+    sched = Scheduler(capacity, queue=queue)
     for job in jobs:
         sched.enqueue(job.name, job.priority)
     peak, idle_rounds = 0, 0
@@ -50,9 +50,6 @@ def simulate(jobs, capacity, rng, queue="fifo", max_steps=100_000, headroom=0):
                 progressed = True
                 break
         assert sched.used <= capacity, "budget exceeded"
-        sharing = sum(1 for j in sched.active() if j.persistent or j.held)
-        if sharing > 1:
-            assert sched.used <= capacity - headroom * sharing, "a sharing job's headroom was taken"
         peak = max(peak, sched.used)
         if progressed:
             idle_rounds = 0
@@ -69,8 +66,7 @@ def simulate(jobs, capacity, rng, queue="fifo", max_steps=100_000, headroom=0):
         started = [j for j in live if j.phase in ("building", "forward", "backward")]
         # Named only when the started jobs cannot all run: their persistent bytes plus
         # the largest iteration do not fit (a newcomer's size is known only once it ran).
-        budget = capacity - (headroom * len(started) if len(started) > 1 else 0)
-        assert sum(j.persistent for j in started) + max(j.claim for j in started) > budget
+        assert sum(j.persistent for j in started) + max(j.claim for j in started) > capacity
         failed.phase = "failed"
         sched.finish(victim)
     raise AssertionError("simulation did not end")
@@ -136,16 +132,15 @@ def random_mix(rng, capacity):
     return jobs
 
 
-@pytest.mark.parametrize("queue, headroom", [("fifo", 0), ("las", 0), ("fifo", 40)])
-def test_random_mixes_never_deadlock_nor_exceed_the_budget(queue, headroom):
-    """Thousands of random mixes; with a sharing headroom (the engine's, measured by
-    the allocator), jobs that share keep it free and a job alone still has it all."""
-    rng = random.Random({"fifo": 1234, "las": 99}[queue] + headroom)
+@pytest.mark.parametrize("queue", ["fifo", "las"])
+def test_random_mixes_never_deadlock_nor_exceed_the_budget(queue):
+    """Thousands of random mixes."""
+    rng = random.Random({"fifo": 1234, "las": 99}[queue])
     capacity = 1000
     outcomes = {"done": 0, "refused": 0, "failed": 0}
     for _ in range(2000):
         jobs = random_mix(rng, capacity)
-        simulate(jobs, capacity, rng, queue=queue, headroom=headroom)
+        simulate(jobs, capacity, rng, queue=queue)
         for job in jobs:
             outcomes[job.phase] += 1
             fits_alone = job.persistent + job.claim <= capacity
@@ -155,8 +150,7 @@ def test_random_mixes_never_deadlock_nor_exceed_the_budget(queue, headroom):
             if not fits_alone:
                 assert job.phase in ("refused", "failed")
         fitting = [j for j in jobs if j.persistent + j.claim <= capacity]
-        budget = capacity - (headroom * len(fitting) if len(fitting) > 1 else 0)
-        if fitting and sum(j.persistent for j in fitting) + max(j.claim for j in fitting) <= budget:
+        if fitting and sum(j.persistent for j in fitting) + max(j.claim for j in fitting) <= capacity:
             assert all(j.phase == "done" for j in fitting), "jobs that fit together all finish"
     assert outcomes["done"] > 5000 and outcomes["refused"] > 0
 
@@ -203,28 +197,16 @@ def test_two_jobs_each_needing_most_of_the_device_share_it():
     assert sched.request("a", 300, pass_start=True) is Decision.WAIT
 
 
-def test_sharing_jobs_keep_room_for_their_largest_blocks():
-    """Free bytes in pieces may not hold a job's largest block: each sharing job keeps
-    room for its own (as the allocator measures it), at least the base headroom."""
-    sched = Scheduler(1000, headroom_per_job=20)
-    profiled(sched, "a", 100, 350)
-    profiled(sched, "b", 100, 350)
+def test_sharing_jobs_plan_the_whole_budget():
+    """Under the allocator the budget is held pages, and a job's layout is its own:
+    two jobs whose held bytes just fit run their passes at once, with nothing kept
+    back for fragmentation."""
+    sched = Scheduler(1000)
+    profiled(sched, "a", 150, 350)
+    profiled(sched, "b", 150, 350)
     assert sched.request("a", 350, pass_start=True) is Decision.GRANT
-    # 1000 - 2 x 20 = 960 >= 100 + 100 + 350 + 350: both passes at once.
-    assert sched.request("b", 350, pass_start=True) is Decision.GRANT
-    sched.release("a", 0)
-    sched.release("b", 0)
-    sched.set_headroom("a", 150)  # a allocates 150-byte blocks
-    sched.set_headroom("b", 10)  # below the base: the base stays
-    assert sched.jobs["b"].headroom == 20
-    assert sched.request("a", 350, pass_start=True) is Decision.GRANT
-    # 1000 - 150 - 20 = 830 < 900, what both passes at once would hold: b waits.
-    assert sched.request("b", 350, pass_start=True) is Decision.WAIT
-    sched.release("a", 0)
-    assert sched.request("b", 350, pass_start=True) is Decision.GRANT
-    sched.finish("a")
-    # Alone, b has the whole capacity: no headroom to keep.
-    assert sched.request("b", 900) is Decision.GRANT
+    assert sched.request("b", 350, pass_start=True) is Decision.GRANT  # 150 + 150 + 350 + 350 = 1000
+    assert sched.used == 1000
 
 
 def test_new_job_waits_for_room_and_profiles_alone():

@@ -246,7 +246,7 @@ class Memory:
             trace=trace,
             current_job=current_job,
             meter=self._meter if self.allocator == "waterwave" else None,
-            largest_block=self._largest_block if self.allocator == "waterwave" else None,
+            page_bytes=self._page_bytes() if self.allocator == "waterwave" else 1,
             offload=mode,
             offload_limit=self._offload_limit(host_limit),
         )
@@ -306,21 +306,20 @@ class Memory:
             self.engine.job_finished(name)  # and so rule f stops waiting for it
 
     def _meter(self, name: str):
-        """The job's (allocated bytes now, most since the window restarted) reader;
-        (0, 0) once the run is over (a leftover graph may die later)."""
+        """The job's (held bytes now, most since the window restarted) reader: the
+        pages under its blocks; (0, 0) once the run is over (a leftover graph may die
+        later)."""
         from wwrun.memory import allocator
 
         read = allocator.job_meter(name, self.device)
         return lambda restart=False: (0, 0) if self._closed else read(restart)
 
-    def _largest_block(self, name: str) -> int:
-        """The largest block the allocator gave the job (0 once the run is over)."""
-        if self._closed:
-            return 0
+    def _page_bytes(self) -> int:
+        """The allocator's page: the unit the engine plans the budget in."""
         from wwrun.memory import allocator
 
-        stats = allocator.job_stats(name) if self.device == "cuda" else allocator.cpu_job_stats(name)
-        return stats["largest_block_bytes"]
+        stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
+        return stats["device"]["page_bytes"]
 
     def _expect_releases(self, job: str, held: int) -> None:
         """Backward progress, from the engine: jobs still holding activations are
@@ -357,7 +356,7 @@ class Memory:
         stats = allocator.stats() if self.device == "cuda" else allocator.cpu_stats()
         # Ended jobs' blocks only: the default owner's (the streams' warm-up
         # workspaces, planned as fixed; a thread not yet marked) are not a job's leftovers.
-        outlived = sum(figures["allocated_bytes"]["current"] for job, figures in stats["jobs"].items()
+        outlived = sum(figures["held_bytes"]["current"] for job, figures in stats["jobs"].items()
                        if job != "default" and job not in self._sessions)
         if outlived > OUTLIVED_NOTE_BYTES >= self.outlived_bytes:  # said once, out of the engine's lock
             self._outlived_note = (f"{format_size(outlived)} allocated by ended jobs is still held (a library's "

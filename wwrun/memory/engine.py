@@ -102,22 +102,6 @@ WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
 
-PAGE_BYTES = 2 << 20
-"""The allocator's page (kPageBytes in csrc/allocator): it holds the budget in pages."""
-
-SHARING_HEADROOM = PAGE_BYTES
-"""Bytes each job keeps free at least when jobs share the budget (one page: its
-partly used small segment), plus HEADROOM_BLOCKS of its largest block once the
-allocator has measured it."""
-
-HEADROOM_BLOCKS = 3
-"""The allocator holds the budget in 2 MiB pages, and bytes free in pieces smaller
-than a page serve no request of a page or more. A sharing job keeps room for its
-next large request in one piece, for a hole of that size its own frees leave among
-the other jobs' blocks (its next pass can reuse it, theirs cannot), and for the
-sub-page tails of its blocks' pages. Measured on benchmarks/fragmentation.py --quick
-(54 runs each): 1 block lost a job in 10 runs, 2 in 1, 3 in none."""
-
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
 
@@ -235,13 +219,11 @@ class Engine:
     device          'cpu' or 'cuda'
     trace           record spans for write_trace
     current_job     thread -> job name (default: set by job_started in that thread)
-    meter           job name -> its allocator meter (wwrun.memory.allocator.job_meter),
-                    called when the job starts, after its thread is bound; None:
-                    no allocator to read, the engine counts tensors itself
-    largest_block   job name -> the largest block the allocator gave it: what the
-                    job keeps free while it shares the budget, at least
-                    SHARING_HEADROOM (free bytes scattered in segments may not hold
-                    its next request in one piece)
+    meter           job name -> its allocator meter (wwrun.memory.allocator.job_meter:
+                    its held bytes, the pages under its blocks), called when the job
+                    starts, after its thread is bound; None: no allocator to read,
+                    the engine counts tensors itself
+    page_bytes      the allocator's page, with a meter: the budget is planned in them
     offload         never | auto | always: whether a job's saved activations may go
                     to host memory (wwrun/memory/offload.py); offload_limit: host bytes
     """
@@ -257,7 +239,7 @@ class Engine:
         *,
         current_job: Callable[[], str | None] | None = None,
         meter: Callable[[str], Callable[[bool], tuple[int, int]]] | None = None,
-        largest_block: Callable[[str], int] | None = None,
+        page_bytes: int = 1,
         offload: str = "never",
         offload_limit: int = 0,
     ):
@@ -271,14 +253,11 @@ class Engine:
         self.gating = policy == "waterwave"
         self.nodegroups = nodegroups
         self.device = device
-        # Measured by the allocator, jobs that share the budget each keep a headroom
-        # for what they leave free inside their own segments (fragmentation).
         self._meter_of = meter  # the allocator's: then the budget is pages
-        self.scheduler = Scheduler(self._plannable(capacity_bytes) if self.gating else None, queue=queue,
-                                   headroom_per_job=SHARING_HEADROOM if meter is not None else 0)
+        self.page_bytes = page_bytes if meter is not None else 1
+        self.scheduler = Scheduler(self._plannable(capacity_bytes) if self.gating else None, queue=queue)
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
-        self._largest_block = largest_block
         self._offload_options = (offload, offload_limit)
         self._offloader = None  # made at first need (it imports Triton)
         self._cond = forksafe.Condition(forksafe.RLock())
@@ -318,9 +297,9 @@ class Engine:
     def _plannable(self, capacity_bytes: int | None) -> int | None:
         """What the scheduler may plan for: under the allocator, whole pages (the
         quickstart under 23.7 MiB planned 1.7 MiB no request could have)."""
-        if capacity_bytes is None or self._meter_of is None:
-            return capacity_bytes
-        return max(PAGE_BYTES, capacity_bytes - capacity_bytes % PAGE_BYTES)
+        if capacity_bytes is None:
+            return None
+        return max(self.page_bytes, capacity_bytes - capacity_bytes % self.page_bytes)
 
     def job_started(self, name: str, priority: int = 0) -> None:
         """In the job's thread, before its script runs; waits while the job does not
@@ -895,12 +874,10 @@ class Engine:
         self.timeline.span(name, label, start, end, bytes=nbytes)
 
     def _offload_room(self, job: _Job) -> int:
-        """The activation bytes the job can ever have: the budget less what stays and,
-        under the allocator, less the room its largest block needs in one piece."""
+        """The activation bytes the job can ever have: the budget less what stays."""
         state = self.scheduler.jobs.get(job.name)
         persistent = max(job.persistent_reserved, state.persistent if state else 0, job.baseline or 0)
-        headroom = self.scheduler.headroom_per_job if state is None else state.headroom
-        return self.capacity - persistent - headroom
+        return self.capacity - persistent
 
     def _stashing(self, job: _Job) -> bool:
         offloader = self._offloader
@@ -949,22 +926,15 @@ class Engine:
         offload.provisional = False
         now = job.meter(False)[0]
         self._note_unstashed_claim(job, now, restart=False)
-        # The scheduler's "fits alone", with room for the job's largest block in one
-        # piece and a page's sub-page tails: without it, a job whose bytes just fit
-        # lost the pieces' race (the quickstart's transformer at 1.15x its peak).
-        fits = max(job.persistent_peak, now) + job.unstashed_claim + self._pieces_headroom(job, 1)
+        # The scheduler's "fits alone". The bytes that were on the host are not pages:
+        # a page more for where they would have ended.
+        fits = max(job.persistent_peak, now) + job.unstashed_claim + self.page_bytes
         if fits <= self.capacity:
             offload.stashing = False
             job.claim = max(job.claim, job.unstashed_claim)
             for model, signature in profiles:
                 model.plans.pop(signature, None)
                 model.fits_unstashed.add(signature)
-
-    def _pieces_headroom(self, job: _Job, blocks: int) -> int:
-        """Free bytes the job needs beyond its bytes, under the allocator's pages: room
-        for `blocks` of its largest block in one piece, and a page (SHARING_HEADROOM)."""
-        largest = self._largest_block(job.name) if self._largest_block is not None else 0
-        return blocks * largest + SHARING_HEADROOM
 
     def _note_unstashed_claim(self, job: _Job, now: int, restart: bool) -> None:
         """The iteration's claim as if nothing had been offloaded, where the job's
@@ -1142,8 +1112,6 @@ class Engine:
                 if job.claim and job.name in self.scheduler.jobs:
                     self.scheduler.raise_claim(job.name, job.claim)
                 if job.name in self.scheduler.jobs:
-                    if self._largest_block is not None:
-                        self.scheduler.set_headroom(job.name, self._pieces_headroom(job, HEADROOM_BLOCKS))
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
                     self.scheduler.settle(job.name)
                     self._cond.notify_all()  # a queued job may fit now

@@ -12,6 +12,12 @@ Dijkstra's Banker's algorithm, EWD-108):
     H_j  activation bytes j holds now (granted growth, or measured, whichever is more)
     used = sum_j (P_j + H_j) <= capacity                                (the budget)
 
+Under wwrun's allocator the bytes are held bytes: the pages under a job's live
+blocks (Note [Layouts] in csrc/allocator/waterwave_allocator.h). A job's blocks
+stay in ranges of its own, so it holds the same pages beside others as alone, and
+the budget needs no margin for fragmentation: every page it does not plan for is
+free for some request.
+
 A job's forward asks, group by group, to raise H_j by the group's predicted growth.
 Backward only ever lowers H_j and never waits. A request is granted when the state
 after it is *safe*: some order exists in which every profiled job can finish its
@@ -30,7 +36,10 @@ job that does not fit beside the others), `stuck_victim` names the job to fail.
 Jobs are admitted (`try_start`) in queue order once the running ones are *settled*
 (profiled, and their persistent bytes known: an optimizer's state appears at its first
 step, after the profile) and one more model as small as the smallest seen so far
-leaves room for each running job's iteration: sum P + max A <= capacity. Admitting
+leaves room for each running job's iteration: sum P + max A <= capacity, and the
+passes in progress can all still end beside it. That guess is the newcomer's
+persistent bytes from then on, until its first pass says what they are: its script
+builds its model before wwrun sees it, and the room must not go meanwhile. Admitting
 beside a job whose optimizer state is still to come would let every job's model exist
 at once with no room left for any pass. A newcomer's activations are not guessed at
 admission (a small job is not kept out by a large one): its first pass asks for the
@@ -81,8 +90,8 @@ class JobState:
     settled: bool = False  # profiled, and its persistent bytes known
     waiting: Want | None = None
     attained_s: float = 0.0
-    headroom: int = 0  # what it keeps free when sharing: room for its blocks in pages (Scheduler._budget)
     kind: object = None  # jobs of one kind are alike (Scheduler.alike_claim)
+    guessed: bool = False  # its persistent bytes are the admission's guess, not yet its own
 
     @property
     def footprint(self) -> int:
@@ -92,15 +101,12 @@ class JobState:
 class Scheduler:
     """Admission of jobs and of their NodeGroups under `capacity` bytes (None: no limit)."""
 
-    def __init__(self, capacity: int | None, queue: str = "fifo", *, headroom_per_job: int = 0):
+    def __init__(self, capacity: int | None, queue: str = "fifo"):
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if queue not in ("fifo", "las"):
             raise ValueError(f"queue must be 'fifo' or 'las', got {queue!r}")
-        if headroom_per_job < 0:
-            raise ValueError(f"headroom_per_job must be >= 0, got {headroom_per_job}")
         self.capacity = capacity
-        self.headroom_per_job = headroom_per_job
         self.queue = queue
         self.jobs: dict[str, JobState] = {}
         self._seq = itertools.count()
@@ -110,7 +116,7 @@ class Scheduler:
     def enqueue(self, name: str, priority: int = 0) -> None:
         if name in self.jobs:
             raise ValueError(f"job {name!r} is already known")
-        self.jobs[name] = JobState(name, priority, next(self._seq), headroom=self.headroom_per_job)
+        self.jobs[name] = JobState(name, priority, next(self._seq))
 
     def try_start(self, name: str) -> bool:
         """True when the queued job may start now; it is then active."""
@@ -120,10 +126,24 @@ class Scheduler:
         queued = [j for j in self.jobs.values() if not j.started]
         if min(queued, key=self._rank) is not job:
             return False
-        if self._room_for_newcomer():
-            job.started = True
-            return True
-        return False
+        if not self._room_for_newcomer():
+            return False
+        job.started = True
+        if self.capacity is not None and len(self.active()) > 1:
+            # Its model is built before its first pass asks for it: the room its
+            # admission counted on is its own from now on, or the running jobs'
+            # passes would take it meanwhile; it goes in when the passes in progress
+            # can all still end beside it.
+            guess = Want(0, max(job.persistent, self._guess_persistent()), False, False)
+            if not self._safe(job, guess):
+                job.started = False
+                return False
+            job.persistent, job.guessed = guess.persistent, True
+        return True
+
+    def _guess_persistent(self) -> int:
+        """A newcomer's persistent bytes before they are known: the smallest seen."""
+        return min((p for p, _, _ in self._sizes.values()), default=0)
 
     def _room_for_newcomer(self) -> bool:
         """Whether one more job's model fits beside the active ones while each of them
@@ -137,11 +157,8 @@ class Scheduler:
             return True
         if any(not j.settled or j.claim is None or j.profiling or j.pending_profile for j in active):
             return False  # size the running jobs before adding one more
-        guess_persistent = min((p for p, _, _ in self._sizes.values()), default=0)
-        persistent = sum(j.persistent for j in active) + guess_persistent
-        headrooms = [j.headroom for j in active]
-        budget = self._budget([*headrooms, self.headroom_per_job])
-        return persistent + max(j.claim for j in active) <= budget
+        persistent = sum(j.persistent for j in active) + self._guess_persistent()
+        return persistent + max(j.claim for j in active) <= self.capacity
 
     def alike_claim(self, name: str, kind: object) -> int:
         """The claim of a settled job of the same `kind` (the engine's: its parameters'
@@ -165,21 +182,6 @@ class Scheduler:
         return (-job.priority, order, job.seq)
 
     # ---- memory -----------------------------------------------------------------
-    def _budget(self, headrooms: list[int]) -> int:
-        """The bytes jobs with these headrooms may plan for together: the capacity,
-        less each job's headroom when they share it. The allocator holds memory in segments and
-        pools, so some bytes are always free in pieces among the others' blocks: each
-        job keeps a headroom sized from its largest block (the engine's), at least
-        `headroom_per_job` (about a partly used segment). A job alone has the whole
-        capacity."""
-        return self.capacity - (sum(headrooms) if len(headrooms) > 1 else 0)
-
-    def set_headroom(self, name: str, nbytes: int) -> None:
-        """What the job keeps free while it shares the budget (from its largest block,
-        measured by the allocator)."""
-        job = self.jobs[name]
-        job.headroom = max(self.headroom_per_job, nbytes)
-
     @property
     def used(self) -> int:
         return sum(j.persistent + j.held for j in self.active())
@@ -245,9 +247,10 @@ class Scheduler:
         return self._decide(self.jobs[name], Want(max(held, self.jobs[name].held), None, pass_start, profile))
 
     def request_persistent(self, name: str, nbytes: int) -> Decision:
-        """Ask to raise the job's persistent bytes to `nbytes` (a newcomer's model)."""
+        """Ask to raise the job's persistent bytes to `nbytes` (a newcomer's model;
+        its admission's guess, more or less, gives way to them)."""
         job = self.jobs[name]
-        return self._decide(job, Want(job.held, max(nbytes, job.persistent), False, False))
+        return self._decide(job, Want(job.held, nbytes if job.guessed else max(nbytes, job.persistent), False, False))
 
     def _decide(self, job: JobState, want: Want) -> Decision:
         if not self.fits_alone(job.name, want.held, want.persistent):
@@ -256,7 +259,7 @@ class Scheduler:
         if self.capacity is None or self._grantable(job, want):
             job.held = want.held
             if want.persistent is not None:
-                job.persistent = want.persistent
+                job.persistent, job.guessed = want.persistent, False
             if job.claim is not None and not job.profiling and job.held > job.claim:
                 job.claim = job.held  # a prediction fell short: the claim grows
             if want.pass_start and want.profile:
@@ -322,8 +325,7 @@ class Scheduler:
         persistent = sum(j.persistent for j in active)
         if want.persistent is not None:
             persistent += want.persistent - job.persistent
-        sharing = [j.headroom for j in active if j is job or j.persistent or holding[j.name]]
-        free = self._budget(sharing) - persistent - sum(holding.values())
+        free = self.capacity - persistent - sum(holding.values())
         if free < 0:
             return False
         # Profiled jobs must all be able to finish, in some order. A job being
