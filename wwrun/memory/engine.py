@@ -513,7 +513,7 @@ class Engine:
         # with the allocator's figure, the newcomer's bytes are known before it grows.
         live = job.meter(False)[0] if job.meter is not None else measured
         with self._cond:  # requested (and waited for) before the model's first pass
-            job.persistent_reserved = max(job.persistent_reserved, max(measured, live) + missing_grads)
+            job.persistent_reserved = max(job.persistent_reserved, max(measured, live) + self._pages(missing_grads))
         return model
 
     # ---- passes -----------------------------------------------------------------------
@@ -1073,7 +1073,9 @@ class Engine:
         )
         self._measure_persistent(job)
         with self._cond:
-            guess = 2 * stateless
+            if job.meter is not None:  # what it holds now, in pages: backward is over
+                job.persistent_peak = max(job.persistent_peak, self._read(job, restart=False))
+            guess = self._pages(2 * stateless)
             state = self.scheduler.jobs.get(job.name)
             if self.capacity is not None and state is not None:
                 # A guess must never make a job "too large": keep it within the room
@@ -1145,6 +1147,13 @@ class Engine:
             self._set_persistent(job, measured)
             job.persistent_peak = max(job.persistent_peak, measured)
         return measured, missing_grads
+
+    def _pages(self, nbytes: int) -> int:
+        """Bytes of tensors still to come as what they will hold of the budget: under
+        the allocator, whole pages, and one more for a partly used one (a newcomer's
+        gradients measured in bytes once made it plan 0.9 MiB short of its pages)."""
+        page = self.page_bytes
+        return (-(-nbytes // page) + 1) * page if nbytes and page > 1 else nbytes
 
     def _set_persistent(self, job: _Job, nbytes: int) -> None:
         self._total += nbytes - job.persistent
