@@ -378,13 +378,18 @@ def test_an_interrupted_doctor_ends_the_step_it_was_running(tmp_path):
     pid_file = tmp_path / "pid"
     step = _step("sleeps", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
 
+    import threading
+
+    main_thread = threading.get_ident()
+
     def interrupt_once_started():
         deadline = time.monotonic() + 30  # the child's start
         while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    import threading
+        # To the main thread, as a terminal's Ctrl-C reaches a process waiting on its
+        # child: sent to the process, it may land on this thread, and the main thread
+        # would sleep on in select() until the step's own end.
+        signal.pthread_kill(main_thread, signal.SIGINT)
 
     threading.Thread(target=interrupt_once_started, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
