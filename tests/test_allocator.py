@@ -1308,6 +1308,60 @@ def test_threaded_stress_keeps_every_job_s_data_intact():
     assert sum(stats["rules"].values()) == stats["device"]["allocations"]["allocated"]
 
 
+def test_threaded_stress_at_the_limit_moves_pages_and_keeps_every_job_s_data_its_own():
+    """Correctness under contention at the limit (not a benchmark): four jobs whose
+    live memory together passes the limit allocate, fill, verify and free from four
+    threads, waiting for each other's frees (rule f), so that pages move between
+    their ranges all the time, mapped with the lock released. Every block holds only
+    zeros or its job's own bytes when handed out, and keeps its bytes until freed."""
+    limit = 24 * MiB
+    alloc = HostAllocator(1 << 30, reserved_limit=limit)
+    names = [f"job{stream}" for stream in (11, 12, 13, 14)]
+    for stream, name in zip((11, 12, 13, 14), names):
+        alloc.register_stream(stream, name)
+    alloc.set_expected_releases(names, timeout_s=20.0)
+    errors = []
+
+    def worker(stream, name):
+        mark_job_thread(name)
+        rng = random.Random(stream)
+        live = []
+        try:
+            for _ in range(200):
+                if live and (len(live) > 6 or rng.random() < 0.5):
+                    ptr, size = live.pop(rng.randrange(len(live)))
+                    if alloc.read(ptr, size) != bytes([stream]) * size:
+                        errors.append(f"{name}: block at {ptr:#x} was overwritten")
+                    alloc.free(ptr)
+                    continue
+                try:
+                    got = alloc.alloc_traced(rng.choice([4096, 300_000, MiB, 2 * MiB + 1]), stream, hold_gil=False)
+                except torch.OutOfMemoryError:
+                    continue  # every job waited for the others: one gives way, and goes on
+                if set(alloc.read(got.ptr, got.size)) - {0, stream}:
+                    errors.append(f"{name}: got another job's data")
+                fill(alloc, got.ptr, got.size, stream)
+                live.append((got.ptr, got.size))
+            for ptr, _ in live:
+                alloc.free(ptr)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(repr(error))
+        finally:
+            unmark_job_thread()
+
+    threads = [threading.Thread(target=worker, args=args) for args in zip((11, 12, 13, 14), names)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    alloc.check_invariants()
+    device = alloc.stats()["device"]
+    assert device["num_page_moves"] > 100 and device["reserved_bytes"]["peak"] <= limit
+    assert device["allocated_bytes"]["current"] == 0
+
+
 # --- the CPU allocator: real torch ops ------------------------------------------------
 
 import subprocess  # noqa: E402
