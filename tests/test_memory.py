@@ -278,6 +278,46 @@ print(json.dumps(seen))
     assert seen["asked"] >= seen["held"], seen
 
 
+def test_an_ended_job_gives_back_its_cache_and_the_running_jobs_keep_theirs():
+    """On the CPU what an ended job left cached goes back to the machine as it ends
+    (a sweep's queue would keep every ended job's high-water mark); a running job's
+    cached pages stay mapped (they once all went, and every running job faulted
+    its memory in again at each job's end)."""
+    import threading
+
+    import torch
+
+    from wwrun.memory import Memory, allocator
+
+    memory = Memory("cpu", 256 * MiB, "concurrent")
+    try:
+        cached, done = threading.Event(), threading.Event()
+
+        def running():
+            with memory.session("running"):
+                torch.empty(16 * MiB, dtype=torch.uint8)  # freed at once: idle pages of its own
+                cached.set()
+                done.wait(60)
+
+        def ending():
+            with memory.session("ending"):
+                torch.empty(32 * MiB, dtype=torch.uint8)
+
+        keeps = threading.Thread(target=running)
+        keeps.start()
+        assert cached.wait(60)
+        before = allocator.cpu_stats()["device"]["reserved_bytes"]["current"]
+        ends = threading.Thread(target=ending)
+        ends.start()
+        ends.join(60)
+        after = allocator.cpu_stats()["device"]["reserved_bytes"]["current"]
+        done.set()
+        keeps.join(60)
+        assert before >= 16 * MiB and after == before, (before / MiB, after / MiB)
+    finally:
+        memory.close()
+
+
 @pytest.mark.parametrize("environ, backend", [
     ({}, None),
     ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, None),

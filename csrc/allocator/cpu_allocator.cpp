@@ -178,10 +178,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_expected_releases", [](const std::vector<std::string>& jobs, double wait_s) {
     cpu::core().allocator.set_expected_releases(jobs, wait_s);
   });
-  m.def("empty_cache", [] {
+  m.def("empty_cache", [](std::optional<wwrun::alloc::JobId> job) {
     py::gil_scoped_release released;
-    return cpu::core().allocator.release_free_segments();
-  });
+    return cpu::core().allocator.release_free_segments(job);
+  }, py::arg("job") = py::none());
   m.def("snapshot", [] { return wwrun::alloc::snapshot_dict(cpu::core().allocator.snapshot()); });
   m.def("segments", [] { return wwrun::alloc::segments_list(cpu::core().allocator.segments()); });
   m.def("reset_peak", [](std::optional<int> job) { cpu::core().allocator.reset_peak(job); });

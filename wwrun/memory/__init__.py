@@ -485,8 +485,9 @@ class JobMemory:
             elif current:
                 allocator.cpu_unregister_job(self.name)
                 # What it left cached goes back to the machine (a sweep's queue would
-                # otherwise keep every ended job's high-water mark).
-                allocator.cpu_empty_cache()
+                # otherwise keep every ended job's high-water mark); the running
+                # jobs keep theirs.
+                allocator.cpu_empty_cache(self.name)
         # Only now do the waiting jobs wake: told while the allocator still held the
         # job's segments, the next job's first large request found the limit reached
         # and nobody left to wait for ("no free memory left" with 2 MiB reserved).

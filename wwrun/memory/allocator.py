@@ -234,9 +234,9 @@ class HostAllocator:
     Streams are small integers; stream 0 and any unregistered stream belong to
     the job "default". An event recorded on a stream completes at once unless the
     stream is held (`hold`), in which case it stays pending until `complete`.
-    `capacity` is the simulated device's memory in bytes (whole 2 MiB pages of
-    one memfd); `reserved_limit` optionally caps the bytes of pages the allocator
-    may hold.
+    `capacity` is the simulated device's memory in bytes (whole 512 KiB pages
+    of one memfd); `reserved_limit` optionally caps the bytes of pages the
+    allocator may hold.
     Batched scrubs run on the simulated stream `SCRUB_STREAM` (hold it to keep a
     scrub pending), with `zero_ranges_` under Triton's interpreter zeroing the
     host memory itself.
@@ -541,9 +541,14 @@ def cpu_unregister_job(job: str) -> None:
     _cpu().unregister_job(_check_job(job))
 
 
-def cpu_empty_cache() -> int:
-    """Returns the empty pages of free blocks to the operating system; returns bytes."""
-    return _cpu().empty_cache()
+def cpu_empty_cache(job: str | None = None) -> int:
+    """Returns the idle pages of the ranges (of `job`'s alone, with `job`) and the
+    budget's free pages (those holding `job`'s data) to the operating system;
+    returns bytes."""
+    if job is None:
+        return _cpu().empty_cache()
+    job_id = _cpu().find_job(_check_job(job))
+    return 0 if job_id is None else _cpu().empty_cache(job_id)
 
 
 # --------------------------------------------------------------------------
