@@ -358,7 +358,7 @@ def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     assert "19.00 MiB" in message  # the request
     assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
     # What was free when it failed, as it was: the 28 pages cut out of A's range.
-    assert "it needs 38 pages of 0.50 MiB; 28 reserved ones are free" in message
+    assert "it needs 38 pages of 0.50 MiB more than are mapped where it goes; 28 other reserved ones are free" in message
     assert "14.00 MiB reserved but free: 28 whole pages (14.00 MiB)" in message
     assert alloc.stats()["rules"]["g"] == 1
     assert alloc.job_stats("B")["num_ooms"] == 1
@@ -1026,7 +1026,7 @@ def test_tensors_of_several_jobs_fail_only_when_the_pages_they_lack_are_not_free
     largest = int(limit * largest_share)
     for share, seed, steps in ((0.8, 20, 4000), (0.95, 21, 1000)):
         for error in random_mix(alloc, streams, limit, largest, share, seed=seed, steps=steps):
-            needed, free = map(int, re.search(r"needs (\d+) pages .*; (\d+) reserved ones are free", error).groups())
+            needed, free = map(int, re.search(r"needs (\d+) pages .*; (\d+) other reserved ones are free", error).groups())
             assert free < needed, error
         assert alloc.stats()["device"]["reserved_bytes"]["peak"] <= limit
         alloc.check_invariants()

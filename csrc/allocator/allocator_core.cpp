@@ -117,8 +117,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     if (wait_for_releases(lock, job, deadline, why_not_wait)) continue;
 
     // g. Said as it was at the latest try: the pages the request lacked, the
-    // whole free pages beside those it had (the budget's and idle ones), and the
-    // limit if that is what stopped d.
+    // whole free pages beside those it had (the budget's and idle ones: the
+    // report's free pages count those under the request too), and the limit if
+    // that is what stopped d.
     if (why_not_wait.empty()) {
       const std::size_t free_pages = spare;
       std::ostringstream why;
@@ -128,8 +129,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       } else {
         why << "the device gave no more pages";
       }
-      why << " (it needs " << lacking << " pages of " << format_bytes(page_) << "; "
-          << free_pages << " reserved ones are free)";
+      why << " (it needs " << lacking << " pages of " << format_bytes(page_)
+          << " more than are mapped where it goes; " << free_pages
+          << " other reserved ones are free)";
       why_not_wait = why.str();
     }
     out_of_memory(job, bytes, size, why_not_wait);
