@@ -806,7 +806,8 @@ class Engine:
             if decision is Decision.TOO_LARGE and self._start_offload(job, 0):
                 continue
             if decision is Decision.TOO_LARGE:
-                job.failed = self._too_large_message(job, 0)
+                state = self.scheduler.jobs[job.name]
+                job.failed = self._too_large_message(job, max(state.claim or 0, state.held))
             self._wait_for_memory(job)
 
     def _wait_for_memory(self, job: _Job) -> None:
@@ -895,12 +896,15 @@ class Engine:
         if room <= 0 or state is None or self.offloader is None:
             return False
         offload = self.offloader.job(job.name)
-        if offload.stashing and want <= room and (state.claim or 0) <= room:
+        if offload.stashing and max(want, state.claim or 0, state.held) <= room:
             return False
-        offload.stashing, offload.provisional = True, False
+        stashing, offload.stashing, offload.provisional = offload.stashing, True, False
         if state.claim is not None:
             state.claim = min(state.claim, room)
-        return True
+        # What it holds, capped at this room from now on (a first step's optimizer
+        # state makes the room smaller than the claim its profile kept).
+        self._report_held(job)
+        return not stashing or state.held <= room
 
     def _begin_offload(self, job: _Job, current: _Pass):
         """A grad pass's offload: stashing (always, or a job that needs it), watching
