@@ -20,7 +20,8 @@ The job is tests/scripts/offload_job.py, the offload tests' own (a residual MLP,
     this is the whole cost of copying; on a GPU they overlap (target: <= 15%).
 (c) three jobs whose summed peaks are about 3x the budget (one twice too large
     alone, two small): `--offload auto`, `--offload never` and `--policy sequential`
-    (with auto): jobs that succeed, wall time, bytes offloaded.
+    (with auto): jobs that succeed, wall time, bytes offloaded, and of them the bytes
+    parked (moved while the job waited at a gate so that another job could go).
 
 Every run goes through wwrun's allocator, whose figures these are: the JSON's
 `allocator` is what the runs recorded (a run on another allocator stops the
@@ -152,8 +153,11 @@ def main() -> None:
         wall = time.perf_counter() - began
         done = [j.name for j in result.jobs if j.state == JobState.SUCCEEDED]
         moved = {j.name: j.extra.get("offloaded_bytes", 0) for j in result.jobs}
-        figures[f"mix_{label}"] = {"succeeded": len(done), "wall_s": round(wall, 3), "offloaded_bytes": moved}
-        print(f"(c) {label}: {len(done)}/3 succeeded ({', '.join(done)}) in {wall:.2f} s, offloaded {moved}")
+        parked = {j.name: j.extra.get("parked_bytes", 0) for j in result.jobs}  # of moved: while waiting at a gate
+        figures[f"mix_{label}"] = {"succeeded": len(done), "wall_s": round(wall, 3), "offloaded_bytes": moved,
+                                   "parked_bytes": parked}
+        print(f"(c) {label}: {len(done)}/3 succeeded ({', '.join(done)}) in {wall:.2f} s, offloaded {moved}, "
+              f"of which parked {parked}")
 
     figures["loadavg"] = os.getloadavg()[0]
     out = args.out or HERE / "results" / f"offload-{args.device}.json"

@@ -190,6 +190,96 @@ def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():
     assert engine.run_report()["peak_memory_bytes"] <= capacity
 
 
+def test_a_job_waiting_at_a_gate_parks_its_activations_so_that_another_job_runs_now():
+    """Issue 23, item 2. a holds a whole pass (stopped before its backward); b's
+    forward waits at its third group for a's memory; c, a smaller job, needs what b
+    holds. b parks its saved tensors on the host, c trains an iteration while a
+    still holds its pass, and b's backward fetches them back: the losses are those
+    of the jobs alone."""
+    batch, small = 512, 128
+    groups = [batch * 32 * F32, batch * 256 * F32, batch * 256 * F32]
+    capacity = 9 * param_bytes() + activation_bytes(batch) + groups[0] + groups[1] + groups[2] // 2
+    engine = Engine(capacity, "waterwave", offload="auto", offload_limit=64 * 2**20)
+    steps = {name: threading.Event() for name in
+             ("a_profiled", "b_profiled", "c_profiled", "a_forward", "b_waits", "c_done", "a_backward")}
+    entered, losses = [], {}
+
+    def script(name, seed, size, after_profile, before_second, after_second=None, before_backward=None):
+        engine.job_started(name)
+        try:
+            model = mlp(seed=seed)
+            model[0].register_forward_hook(lambda *_: time.sleep(0.03))  # a forward takes longer than the copies
+            for index, layer in enumerate(model):
+                layer.register_forward_hook(lambda m, a, out, index=index: entered.append((name, index)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            g = torch.Generator().manual_seed(seed)
+            losses[name] = []
+            for iteration in range(2):
+                if iteration == 1:
+                    assert steps[before_second].wait(60)
+                loss = nn.functional.cross_entropy(model(torch.randn(size, 32, generator=g)),
+                                                   torch.randint(0, 10, (size,), generator=g))
+                if iteration == 1 and before_backward:
+                    steps[after_second].set()
+                    assert steps[before_backward].wait(60)  # longer than c_done's wait below
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses[name].append(loss.item())
+                steps[after_profile if iteration == 0 else after_second or "c_done"].set()
+        except Exception as err:  # noqa: BLE001 - reported below
+            losses[name] = err
+        finally:
+            engine.job_finished(name)
+
+    threads = [
+        threading.Thread(target=script, args=("a", 1, batch, "a_profiled", "c_profiled", "a_forward", "a_backward")),
+        threading.Thread(target=lambda: (steps["a_profiled"].wait(20),
+                                         script("b", 2, batch, "b_profiled", "a_forward", "b_done"))),
+        threading.Thread(target=lambda: (steps["b_profiled"].wait(20),
+                                         script("c", 3, small, "c_profiled", "b_waits", "c_done"))),
+    ]
+    steps["b_done"] = threading.Event()
+    for thread in threads:
+        thread.start()
+    deadline = time.perf_counter() + 20  # b enters Linear 0, ReLU 1 and Linear 2, then waits at ReLU 3
+    while [i for n, i in entered if n == "b"][5:] != [0, 1, 2] and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    steps["b_waits"].set()
+    c_trained_beside_a = steps["c_done"].wait(20)  # c's second iteration, a still holding its pass
+    steps["a_backward"].set()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a job hung"
+    assert c_trained_beside_a
+    assert engine.job_report("b")["parked_bytes"] >= groups[0] + groups[1]
+    assert engine.job_report("b")["fetched_bytes"] == engine.job_report("b")["offloaded_bytes"]
+    assert engine.job_report("a")["parked_bytes"] == 0
+    assert engine.run_report()["peak_memory_bytes"] <= capacity
+    for name, seed, size in (("a", 1, batch), ("b", 2, batch), ("c", 3, small)):
+        assert not isinstance(losses[name], Exception), losses[name]
+        assert losses[name] == _alone(Engine(None, "waterwave"), seed, size), name
+
+
+def _alone(engine, seed, size):
+    engine.job_started("alone")
+    try:
+        model = mlp(seed=seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(torch.randn(size, 32, generator=g)),
+                                               torch.randint(0, 10, (size,), generator=g))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+    finally:
+        engine.job_finished("alone")
+
+
 def test_reprofiles_when_the_input_shape_changes():
     engine = Engine(10 * 2**20, "waterwave")
     result = run_threads(engine, {"a": {"batch": 0, "steps": 4, "batches": [64, 64, 40, 64]}})["a"]

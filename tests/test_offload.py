@@ -133,6 +133,33 @@ def test_a_pass_stashes_whole_chunks_and_backward_gets_the_same_tensors(monkeypa
     assert report["fetched_bytes"] == report["offloaded_bytes"] and report["fetch_stall_s"] > 0
 
 
+def test_a_parkable_pass_keeps_its_tensors_on_the_device_until_it_parks():
+    offloader = Offloader("auto", 64 * MiB, "cpu")
+    assert offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cpu") is None  # auto: nothing to do
+    run = offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cpu", parkable=True)
+    small = torch.randn(16)
+    assert run.keep(small) is not small and run.parkable_bytes() == 0  # too little to be worth a copy
+    tensors = [torch.randn(64, 256) for _ in range(3)]  # 64 KiB each
+    kept = [run.keep(t) for t in tensors]
+    run.boundary()  # a parkable pass stashes nothing on its own
+    assert offloader.report("j")["offloaded_bytes"] == 0 and kept[0].tensor is tensors[0]
+    assert run.parkable_bytes() == 3 * 64 * 1024 + 64
+    assert run.park() == 3 * 64 * 1024 + 64 and not run.pending and run.parkable_bytes() == 0
+    expected = [t.clone() for t in tensors]
+    del tensors
+    assert all(torch.equal(k.get(), e) for k, e in zip(kept, expected))
+    report = offloader.report("j")
+    assert report["parked_bytes"] == report["offloaded_bytes"] == report["fetched_bytes"] == 3 * 64 * 1024 + 64
+
+
+def test_the_copy_rate_is_measured_once():
+    offloader = Offloader("auto", 64 * MiB, "cpu")
+    seconds = offloader.copy_seconds(100 << 20)
+    rate = offloader.copy_rate
+    assert rate > 0 and seconds == pytest.approx(2 * (100 << 20) / rate)
+    assert offloader.copy_seconds(50 << 20) == pytest.approx(seconds / 2) and offloader.copy_rate == rate
+
+
 def test_never_offloads_nothing():
     assert Offloader("never", MiB, "cpu").begin_pass("j", room=MiB, device="cpu") is None
     with pytest.raises(ValueError, match="offload mode"):
@@ -277,7 +304,8 @@ def test_three_jobs_oversubscribing_the_budget_finish_with_offload_where_needed(
     for job in auto.jobs:
         assert job.state == JobState.SUCCEEDED, job.error
         assert _output(job) == _reference(job.args)
-        assert (job.extra["offloaded_bytes"] > 0) == (job.name == "big")
+        stashed = job.extra["offloaded_bytes"] - job.extra["parked_bytes"]  # parked: while waiting at a gate
+        assert (stashed > 0) == (job.name == "big")
     assert auto.extra["peak_reserved_bytes"] <= limit
     for job in never.jobs:
         assert job.state == (JobState.FAILED if job.name == "big" else JobState.SUCCEEDED)

@@ -197,6 +197,26 @@ def test_two_jobs_each_needing_most_of_the_device_share_it():
     assert sched.request("a", 300, pass_start=True) is Decision.WAIT
 
 
+def test_a_waiting_job_unblocks_another_only_by_holding_less():
+    """unblocked_by: would another waiting request go, were the job to park?"""
+    sched = Scheduler(1000)
+    profiled(sched, "a", 100, 400)
+    profiled(sched, "b", 100, 400)
+    profiled(sched, "c", 100, 200)
+    assert sched.request("a", 400, pass_start=True) is Decision.GRANT  # a holds a whole pass
+    assert sched.request("b", 200, pass_start=True) is Decision.GRANT
+    assert sched.request("b", 400) is Decision.WAIT  # 100 free: b waits for a's backward
+    assert sched.request("c", 150, pass_start=True) is Decision.WAIT  # and c for room
+    assert not sched.unblocked_by("b", 200)  # holding as much helps nobody
+    assert not sched.unblocked_by("b", 180)  # 120 free: still short of c's 150
+    assert sched.unblocked_by("b", 0)  # 300 free: c goes, a then b then c can finish
+    assert not sched.unblocked_by("c", 0)  # c holds nothing to give
+    assert sched.jobs["b"].held == 200  # asking changes nothing
+    sched.release("b", 0)  # b parked its activations
+    assert sched.request("c", 150, pass_start=True) is Decision.GRANT
+    assert sched.request("b", 400) is Decision.WAIT
+
+
 def test_sharing_jobs_plan_the_whole_budget():
     """Under the allocator the budget is held pages, and a job's layout is its own:
     two jobs whose held bytes just fit run their passes at once, with nothing kept

@@ -250,11 +250,25 @@ class Memory:
             offload=mode,
             offload_limit=self._offload_limit(host_limit),
         )
+        if engine.capacity is not None and engine.offloader is not None:  # parking weighs copies at this rate (offload.py, rule 6)
+            engine.offloader.copy_rate = self._copy_rate()
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
             if self.limit is not None:
                 engine.capacity_source = self._budget_now
         return engine
+
+    def _copy_rate(self) -> float:
+        """Bytes/s between the device and host memory, measured at start-up on this
+        thread (no job's): on CUDA its probe's pages go back at once."""
+        from wwrun.memory.offload import measure_copy_rate
+
+        rate = measure_copy_rate(self.device)
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        return rate
 
     @staticmethod
     def _offload_limit(limit) -> int:

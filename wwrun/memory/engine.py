@@ -72,7 +72,10 @@ allocator's figure at each module call and starts stashing, on trial, before the
 budget is reached. When that iteration ends its claim as if nothing had been stashed
 decides: a job that fits without offload stops stashing and its stashed profiles are
 made again, unstashed (`_settle_offload`). Such a pass keeps per-tensor saved-tensor
-hooks (no stand-ins).
+hooks (no stand-ins). While the jobs oversubscribe the budget, their passes keep
+per-tensor hooks too, so that a job waiting at a gate can park what its pass saved on
+the host when another waiting job could then go and the copies cost less than one
+of its forwards (`_worth_parking`, offload.py's rule 6): the other job runs now.
 
 Limitations: models first called after a job's first optimizer step are not found;
 a model called inside someone else's saved-tensor hooks (a checkpointed model) is
@@ -170,6 +173,7 @@ class _Job:
     persistent_peak: int = 0  # most measured
     persistent_reserved: int = 0  # what the scheduler holds: the peak, or a prediction
     reserved: int = 0  # granted activation bytes of the forward in progress
+    parked: int = 0  # of `retained`, the bytes parked on the host in the forward in progress
     release_marks: list[tuple[int, int, str, int]] = field(default_factory=list)  # (retained, group, label, keep)
     last_release: float = 0.0
     peak: int = 0
@@ -393,7 +397,8 @@ class Engine:
         report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.limit_bytes}
         if self._offloader is not None:  # the host pool: the most it held, and its limit
             report.update(offload_host_peak_bytes=self._offloader.pool.peak,
-                          offload_limit_bytes=self._offloader.pool.limit)
+                          offload_limit_bytes=self._offloader.pool.limit,
+                          offload_copy_bytes_per_s=round(self._offloader.copy_rate or 0))
         return report
 
     def write_trace(self, path: str) -> None:
@@ -642,7 +647,9 @@ class Engine:
                         self._read(job, restart=True)  # the last group's backward starts
                         job.backward = plan
             job.last_release = now
-            job.reserved = keep
+            job.reserved = keep  # the whole claim: backward fetches what was parked back
+            self._total += job.parked
+            job.parked = 0
             self._report_held(job)
 
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
@@ -780,6 +787,9 @@ class Engine:
                     continue
                 if decision is Decision.TOO_LARGE:
                     job.failed = self._too_large_message(job, want)
+                elif not pass_start and not profile and self._worth_parking(job):
+                    self._park(job)
+                    continue
                 self._wait_for_memory(job)
             if job.waiting_since:
                 self._tell(job.name, "running")
@@ -909,14 +919,51 @@ class Engine:
     def _begin_offload(self, job: _Job, current: _Pass):
         """A grad pass's offload: stashing (always, or a job that needs it), watching
         (auto, a profiled pass, with the allocator's figures; not where a stashed profile
-        of it showed the job fits), else None."""
+        of it showed the job fits), parkable (a planned pass while the jobs
+        oversubscribe the budget), else None."""
         if self.capacity is None or self.offloader is None:
             return None
         watch = None
         if (current.plan is None and job.meter is not None and job.baseline is not None
                 and current.signature not in current.model.fits_unstashed):
             watch = lambda: job.meter(False)[0] - job.baseline  # noqa: E731
-        return self.offloader.begin_pass(job.name, self._offload_room(job), self.device, held=watch)
+        with self._cond:
+            active, budget = self.scheduler.active(), self.scheduler.capacity
+            parkable = (current.plan is not None and budget is not None and len(active) > 1
+                        and sum(j.footprint for j in active) > budget)
+        return self.offloader.begin_pass(job.name, self._offload_room(job), self.device, held=watch,
+                                         parkable=parkable)
+
+    def _worth_parking(self, job: _Job) -> bool:
+        """Under the lock, the job waiting at a gate in the middle of its forward:
+        whether parking what its pass saved lets another waiting job go, for less than
+        one forward of the job in copies (rule 6 of offload.py): its forwards so far,
+        as they ran. The other job would otherwise wait at least that long: until
+        this one has been granted, run on and handed its bytes back in backward."""
+        offload = job.current.offload if job.current is not None else None
+        parked = offload.parkable_bytes() if offload is not None else 0
+        if not parked:
+            return False
+        held = max(0, max(job.retained - job.parked, job.reserved) - parked)
+        if not self.scheduler.unblocked_by(job.name, held):
+            return False
+        state = self.scheduler.jobs[job.name]
+        forward_s = state.attained_s / max(1, job.passes - 1)  # the passes before this one
+        return self.offloader.copy_seconds(parked) < forward_s
+
+    def _park(self, job: _Job) -> None:
+        """Parks the job's saved tensors on the host (its thread, at a gate): the copies
+        run with the lock released, then the scheduler hears what the job still holds."""
+        offload = job.current.offload
+        self._cond.release()
+        try:
+            parked = offload.park()
+        finally:
+            self._cond.acquire()
+        job.parked += parked
+        self._total -= parked  # the saved tensors' count (without a meter) is the device's
+        job.reserved = max(0, job.reserved - parked)
+        self._report_held(job)
 
     def _settle_offload(self, job: _Job) -> None:
         """A profiled iteration is over. Where auto stashed in it on trial, what the job
@@ -953,7 +1000,7 @@ class Engine:
 
     def _offload_report(self, name: str) -> dict:
         if self._offloader is None:
-            return {"offloaded_bytes": 0, "fetched_bytes": 0, "fetch_stall_s": 0.0}
+            return {"offloaded_bytes": 0, "fetched_bytes": 0, "fetch_stall_s": 0.0, "parked_bytes": 0}
         return self._offloader.report(name)
 
     # ---- measurement --------------------------------------------------------------------
@@ -1052,7 +1099,7 @@ class Engine:
     def _report_held(self, job: _Job) -> None:
         if job.ended is not None or self._jobs.get(job.name) is not job:
             return  # an ended attempt's late frees: a retry of the same name holds its own
-        held = self._offload_cap(job, max(job.retained, job.reserved))
+        held = self._offload_cap(job, max(job.retained - job.parked, job.reserved))
         self.scheduler.release(job.name, held)
         self._sample(job)
         self._cond.notify_all()
@@ -1168,7 +1215,7 @@ class Engine:
     def _live(self, job: _Job) -> int:
         if job.meter is not None:
             return job.meter(False)[0]
-        return job.persistent + job.retained
+        return job.persistent + job.retained - job.parked
 
     def _read(self, job: _Job, restart: bool) -> int:
         """The job's bytes now from the allocator, keeping the iteration's peak."""

@@ -13,7 +13,8 @@ fit the budget still trains, unchanged and with the same losses.
                  saved-tensor hook for each tensor autograd saves, `boundary()`
                  before each module call; saved tensors wait in `pending` until they
                  are worth a chunk, then are packed into one host buffer in one copy
-                 (triton_kernels.pack on CUDA; a plain copy on the CPU)
+                 (triton_kernels.pack on CUDA; a plain copy on the CPU); `park()`
+                 packs all of them at once (the job waits at a gate, rule 6)
     _Chunk       one packed buffer; its handles' first unpack in backward restores
                  it (one copy, triton_kernels.unpack) and prefetches the chunk saved
                  before it, so backward finds the next chunk on the device already
@@ -42,6 +43,13 @@ Rules (in order):
    (the one in use and the one prefetched) besides the tail forward left on the device.
 5. When the pool is full, tensors stay on the device (the job may then fail as it
    would without offload); nothing waits for host memory.
+6. Parking (auto and always): a pass that may have to wait at a gate while other
+   jobs wait too (`parkable`: the engine's jobs oversubscribe the budget) keeps its
+   saved tensors as handles, still on the device. When the job waits at a gate and
+   its saved tensors are what another waiting job needs, the engine parks them
+   (`park()`: stashed, as above, in one go) when the copies there and back, at the
+   rate `measure_copy_rate` found at start-up, take less than a forward of the job:
+   the other job runs now, and backward fetches the chunks back as for any stash.
 
 On CUDA the copies run on a side stream of the job's (ordered by events, so forward
 and backward compute overlap them) and `record_stream` keeps a block from being reused
@@ -74,6 +82,9 @@ CPU_TRITON = False
 """Pack CPU chunks with the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1
 before triton is imported) rather than a plain copy: the same kernels a GPU runs, at
 ~0.4 s per MiB, for tests of the kernels' path."""
+
+RATE_PROBE_BYTES = 32 << 20
+"""The copy `measure_copy_rate` times, each way: larger than a CPU's caches."""
 
 PRESSURE = 0.75
 """`auto` starts stashing in a profiled pass, on trial, when the job's bytes above the
@@ -193,6 +204,7 @@ class JobOffload:
     fetched_bytes: int = 0
     fetch_stall_s: float = 0.0
     kept_bytes: int = 0  # saved tensors that stayed on the device: pool full
+    parked_bytes: int = 0  # of offloaded_bytes, those parked while the job waited at a gate (rule 6)
     stream: object = None  # on CUDA, the job's copy stream
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -201,6 +213,7 @@ class JobOffload:
             "offloaded_bytes": self.offloaded_bytes,
             "fetched_bytes": self.fetched_bytes,
             "fetch_stall_s": round(self.fetch_stall_s, 6),
+            "parked_bytes": self.parked_bytes,
         }
 
     def measure(self, meter: Callable[[bool], tuple[int, int]]) -> UnstashedMeter:
@@ -274,6 +287,14 @@ class Offloader:
         self.pool = HostPool(limit, pinned=device == "cuda")
         self._span = span or (lambda *_: None)
         self._jobs: dict[str, JobOffload] = {}
+        self.copy_rate: float | None = None  # bytes/s each way, once measured (rule 6)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """What copying `nbytes` to the host and back costs (rule 6); measured the first
+        time it is asked, when no engine has asked at start-up."""
+        if self.copy_rate is None:
+            self.copy_rate = measure_copy_rate(self.device)
+        return 2 * nbytes / self.copy_rate
 
     def job(self, name: str) -> JobOffload:
         job = self._jobs.get(name)
@@ -289,16 +310,17 @@ class Offloader:
         return self.job(name).report()
 
     def begin_pass(self, name: str, room: int, device: torch.device | str,
-                   held: Callable[[], int] | None = None) -> PassOffload | None:
+                   held: Callable[[], int] | None = None, parkable: bool = False) -> PassOffload | None:
         """The offload of a forward pass of job `name`, which may hold `room` bytes
         above its pass start; None when it stashes nothing. `held`, while the pass is
-        profiled in auto mode: the job's bytes above its pass start now (rule 3)."""
+        profiled in auto mode: the job's bytes above its pass start now (rule 3);
+        `parkable`: its saved tensors may be parked at a gate (rule 6)."""
         if self.mode == "never" or room <= 0:
             return None
         job = self.job(name)
         if self.mode == "always":
             job.stashing = True
-        if not job.stashing and held is None:
+        if not job.stashing and held is None and not parkable:
             return None
         return PassOffload(self, job, room, torch.device(device).type, held)
 
@@ -367,6 +389,21 @@ class PassOffload:
             self.job.stashing = self.job.provisional = True
         if self.pending_bytes >= self.chunk_bytes:
             self.stash()
+
+    def parkable_bytes(self) -> int:
+        """What `park()` would move: the pending bytes, when worth a chunk."""
+        return self.pending_bytes if self.pending_bytes >= MIN_CHUNK_BYTES else 0
+
+    def park(self) -> int:
+        """Rule 6: the job waits at a gate; every pending tensor goes to the host now.
+        Returns the bytes stashed (0 when the pool had no room)."""
+        with self.job.lock:
+            before = self.job.offloaded_bytes
+        self.stash()
+        with self.job.lock:
+            parked = self.job.offloaded_bytes - before
+            self.job.parked_bytes += parked
+        return parked
 
     def stash(self) -> None:
         """Pack every pending tensor into chunks of at most `chunk_bytes`."""
@@ -482,6 +519,26 @@ class _Chunk:
                 self.job.moved(-self.nbytes)
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the buffer goes with it
             pass
+
+
+def measure_copy_rate(device: str) -> float:
+    """Bytes per second of one copy between the device and host memory (pinned on
+    CUDA; on the CPU two host buffers of the offload's own, outside the budget), the
+    better of two tries of RATE_PROBE_BYTES: what parking costs (rule 6)."""
+    host = HostPool(2 * RATE_PROBE_BYTES, pinned=device == "cuda")
+    source, _ = host.take(RATE_PROBE_BYTES)
+    target, _ = host.take(RATE_PROBE_BYTES)
+    if device == "cuda":
+        source = torch.empty(RATE_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(2):
+        began = time.perf_counter()
+        target.copy_(source, non_blocking=device == "cuda")
+        source.copy_(target, non_blocking=device == "cuda")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - began) / 2)
+    return RATE_PROBE_BYTES / max(best, 1e-9)
 
 
 def _copy_stream(job: JobOffload, device: torch.device):

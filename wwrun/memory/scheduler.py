@@ -277,6 +277,23 @@ class Scheduler:
         if job is not None:
             job.held = held
 
+    def unblocked_by(self, name: str, held: int) -> bool:
+        """Whether another job's waiting request, refused as things are, would be
+        granted were job `name` to hold only `held` (it parks activations on the host
+        while it waits: the engine's `_park`)."""
+        job = self.jobs[name]
+        if held >= job.held:
+            return False
+        others = [j for j in self.active() if j is not job and j.waiting is not None]
+        refused = [j for j in others if not self._grantable(j, j.waiting)]
+        if not refused:
+            return False
+        before, job.held = job.held, held
+        try:
+            return any(self._grantable(j, j.waiting) for j in refused)
+        finally:
+            job.held = before
+
     def _grantable(self, job: JobState, want: Want) -> bool:
         if not self._safe(job, want):
             return False
