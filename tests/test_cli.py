@@ -43,6 +43,17 @@ def recipe(tmp_path):
     return path
 
 
+def test_a_ctrl_c_before_the_run_says_so_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Pressed while torch imports or the allocator builds: one line, not silence."""
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("wwrun.launcher.launch", interrupted)
+    script = tmp_path / "job.py"
+    script.write_text("print('ran')\n")
+    assert run_main(["--log-dir", str(tmp_path), str(script)], capsys) == (130, "wwrun: interrupted\n")
+
+
 def test_mpmd_jobs_split_on_colons():
     cfg = config(A, "--lr", "0.1", ":", B, "--epochs", "3", ":", NO_GUARD)
     assert [j.name for j in cfg.jobs] == ["train", "train-2", "no_guard"]

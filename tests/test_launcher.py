@@ -193,6 +193,8 @@ def test_job_ignoring_the_interrupt_is_abandoned_after_the_grace_period(tmp_path
     assert polite.state == JobState.INTERRUPTED
     assert stubborn.state == JobState.INTERRUPTED
     assert stubborn.error == "did not stop within the grace period"
+    where = json.loads((Path(stubborn.log_dir) / "error.json").read_text())["traceback"]
+    assert where.startswith("Still running here when abandoned") and "ending.py" in where  # what it waited in
 
 
 def test_second_interrupt_ends_the_process_at_once(tmp_path):

@@ -36,8 +36,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from wwrun import host, isolation, jobthread
@@ -432,6 +434,7 @@ class Runner:
         if abandoned:
             # Its thread goes on, but the memory it reserved and its hooks go back now.
             self.memory.abandon(job.spec.name)
+            _note_where(job)
         result.exit_code = code
         result.error = error
         if code == 0:
@@ -591,3 +594,11 @@ _ENGINE_WAITS = {
     "queued": "waiting for memory to start beside the running jobs",
     "waiting": "waiting for memory for its next NodeGroup",
 }
+
+
+def _note_where(job: Job) -> None:
+    """An abandoned job's error.json says where its thread was (what it waited for)."""
+    context = job.context
+    frame = sys._current_frames().get(context.thread_id) if context is not None and context.thread_id else None
+    if frame is not None and not context.traceback:
+        context.traceback = "Still running here when abandoned:\n" + "".join(traceback.format_stack(frame))
