@@ -510,3 +510,19 @@ memory.close()
     assert after == small  # freed: planned for again
     assert reported == outlived >= 24 * MiB
     assert len(notes) == 1 and "still held" in notes[0], notes
+
+
+def test_start_up_measures_the_offload_copy_rate_without_importing_triton():
+    """Parking weighs copies at a rate measured before the jobs start, on the main
+    thread, where a Ctrl-C landing in Triton's import would abort the process:
+    Triton is imported by a job's first stash, not here."""
+    probe = (
+        "import sys\n"
+        "from wwrun.memory import Memory\n"
+        "memory = Memory('cpu', 64 << 20, 'waterwave', offload='auto')\n"
+        "print(memory.engine.offloader.copy_rate > 0, 'triton' in sys.modules)\n"
+        "memory.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]

@@ -263,7 +263,7 @@ class Engine:
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._offload_options = (offload, offload_limit)
-        self._offloader = None  # made at first need (it imports Triton)
+        self._offloader = None  # made at first need (Memory makes it at start-up)
         self._cond = forksafe.Condition(forksafe.RLock())
         self._jobs: dict[str, _Job] = {}
         self._total = 0

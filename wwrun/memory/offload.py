@@ -68,8 +68,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from triton_kernels import pack, unpack
-
 from wwrun.config import OFFLOAD_MODES as MODES
 
 CHUNKS_PER_ROOM = 8
@@ -150,10 +148,20 @@ class HostPool:
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
+def _kernels():
+    """triton_kernels' (pack, unpack), imported at first use, on a job's thread: the
+    engine makes its Offloader at start-up, on the main thread, where a Ctrl-C
+    landing in Triton's import (in a native callback) would abort the process."""
+    from triton_kernels import pack, unpack
+
+    return pack, unpack
+
+
 def _copy_out(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
     """Pack `tensors` into `buffer`, in order: one Triton launch on CUDA (or under
     CPU_TRITON), else one plain copy per tensor."""
     if tensors[0].is_cuda or CPU_TRITON:
+        pack, _ = _kernels()
         pack(tensors, out=buffer)
         return
     offset = 0
@@ -166,6 +174,7 @@ def _copy_out(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
 def _copy_in(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """The inverse of _copy_out."""
     if tensors[0].is_cuda or CPU_TRITON:
+        _, unpack = _kernels()
         unpack(buffer, tensors)
         return
     offset = 0
@@ -568,6 +577,7 @@ class Stash:
         on_cuda = any(t.device.type == "cuda" for t in tensors)
         self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
         if tensors:
+            pack, _ = _kernels()
             pack(tensors, out=self._buffer)
         self._written = _record_event() if on_cuda else None
 
@@ -576,6 +586,7 @@ class Stash:
         out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._layouts]
         if self._written is not None:
             torch.cuda.current_stream().wait_event(self._written)
+        _, unpack = _kernels()
         unpack(self._buffer, out)
         if self._written is not None:
             _keep_until_done(_record_event(), self._buffer)
