@@ -519,7 +519,7 @@ def test_start_up_measures_the_offload_copy_rate_without_importing_triton():
     probe = (
         "import sys\n"
         "from wwrun.memory import Memory\n"
-        "memory = Memory('cpu', 64 << 20, 'waterwave', offload='auto')\n"
+        "memory = Memory('cpu', 64 << 20, 'waterwave', offload='auto', jobs_at_once=2)\n"
         "print(memory.engine.offloader.copy_rate > 0, 'triton' in sys.modules)\n"
         "memory.close()\n"
     )

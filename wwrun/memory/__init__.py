@@ -250,7 +250,8 @@ class Memory:
             offload=mode,
             offload_limit=self._offload_limit(host_limit),
         )
-        if engine.capacity is not None and engine.offloader is not None:  # parking weighs copies at this rate (offload.py, rule 6)
+        if engine.capacity is not None and engine.offloader is not None and self.jobs_at_once > 1:
+            # Parking weighs copies at this rate (offload.py, rule 6); one job alone never parks.
             engine.offloader.copy_rate = self._copy_rate()
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
