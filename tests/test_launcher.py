@@ -197,6 +197,29 @@ def test_job_ignoring_the_interrupt_is_abandoned_after_the_grace_period(tmp_path
     assert where.startswith("Still running here when abandoned") and "ending.py" in where  # what it waited in
 
 
+def test_an_interrupt_landing_while_a_job_ends_interrupted_still_hands_everything_back(tmp_path, monkeypatch):
+    """A second KeyboardInterrupt can land in wwrun's handling of the first (a
+    DataLoader's workers dying of the same Ctrl-C): the job is still interrupted
+    (130), not "wwrun: KeyboardInterrupt" (1), and its namespaces and memory go back,
+    so that the next job runs."""
+    from wwrun import jobthread
+
+    outcome = jobthread._outcome
+
+    def interrupted_again(exc, ctx, quiet=False):
+        if isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt
+        return outcome(exc, ctx, quiet)
+
+    monkeypatch.setattr(jobthread, "_outcome", interrupted_again)
+    _interrupt_soon(1.0)
+    first = run(tmp_path, ending("a", "loop"), policy="waterwave", memory_limit=64 << 20)
+    assert (first.jobs[0].state, first.jobs[0].exit_code, first.jobs[0].error) == (JobState.INTERRUPTED, 130, "interrupted")
+    monkeypatch.setattr(jobthread, "_outcome", outcome)
+    second = run(tmp_path, ending("b"), policy="waterwave", memory_limit=64 << 20)
+    assert second.jobs[0].state == JobState.SUCCEEDED, second.jobs[0].error
+
+
 def test_second_interrupt_ends_the_process_at_once(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path), ENDING, "stubborn"],

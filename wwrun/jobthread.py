@@ -25,8 +25,16 @@ def run_job(job, memory) -> tuple[int, str | None]:
     thread, under `memory` (the run's `wwrun.memory.Memory`); (exit code, error).
     Sets the job's `interrupted`, `out_of_memory` and `no_room` as the script ended."""
     ctx = job.context
-    code, error = 0, None
     session = memory.session(job.spec.name, job.spec.priority, job.spec.memory_limit)
+    try:
+        return _run_attempt(job, ctx, memory, session)
+    finally:
+        _clean_up(job, ctx, session)
+
+
+def _run_attempt(job, ctx, memory, session) -> tuple[int, str | None]:
+    """The script, its non-daemon threads and atexit handlers; (exit code, error)."""
+    code, error = 0, None
     try:
         isolation.enter(ctx)
         _threads_default_to_non_daemon()
@@ -47,23 +55,27 @@ def run_job(job, memory) -> tuple[int, str | None]:
     except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
         if code == 0:
             code, error = _outcome(exc, ctx)
-    finally:
-        isolation.close_interrupts(ctx)  # what follows is wwrun's, not the job's
-        for stream in (ctx.stdout, ctx.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        ctx.stdin.close()
-        rng.leave_job()
-        try:
-            isolation.leave()  # drops the job's namespaces: its tensors are freed here
-        finally:
-            # Only then are its reserved bytes handed back: waking the others
-            # while its model still held memory made them fail in turn.
-            session.leave()
-        job.output.release_writers()
     return code, error
+
+
+def _clean_up(job, ctx, session) -> None:
+    """Whatever ended the attempt (a second interrupt landing while the first was
+    handled, too), the job's streams, namespaces and memory are handed back."""
+    isolation.close_interrupts(ctx)  # what follows is wwrun's, not the job's
+    for stream in (ctx.stdout, ctx.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    ctx.stdin.close()
+    rng.leave_job()
+    try:
+        isolation.leave()  # drops the job's namespaces: its tensors are freed here
+    finally:
+        # Only then are its reserved bytes handed back: waking the others
+        # while its model still held memory made them fail in turn.
+        session.leave()
+    job.output.release_writers()
 
 
 def _run_code(spec: JobSpec, ctx: isolation.JobContext) -> None:

@@ -401,7 +401,10 @@ class Runner:
         code, error = 1, "wwrun failed to run the job"
         try:
             code, error = jobthread.run_job(job, self.memory)
-        except BaseException as exc:  # noqa: BLE001 - a bug of ours, or a late async interrupt
+        except KeyboardInterrupt:  # a second interrupt, landing while the job handled the first
+            job.interrupted = True
+            code, error = EXIT_INTERRUPTED, "interrupted"
+        except BaseException as exc:  # noqa: BLE001 - a bug of ours
             code, error = 1, f"wwrun: {type(exc).__name__}: {exc}"
         finally:
             # Whatever happened above, the launcher hears that this job ended: it
