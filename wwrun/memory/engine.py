@@ -944,8 +944,7 @@ class Engine:
         parked = offload.parkable_bytes() if offload is not None else 0
         if not parked:
             return False
-        held = max(0, max(job.retained - job.parked, job.reserved) - parked)
-        if not self.scheduler.unblocked_by(job.name, held):
+        if not self.scheduler.unblocked_by(job.name, max(0, self._holding(job) - parked)):
             return False
         state = self.scheduler.jobs[job.name]
         forward_s = state.attained_s / max(1, job.passes - 1)  # the passes before this one
@@ -1096,10 +1095,16 @@ class Engine:
         if group == 0:
             job.backward = None
 
+    @staticmethod
+    def _holding(job: _Job) -> int:
+        """Activation bytes the job holds for the scheduler: its grant, or what its
+        saved tensors on the device take, whichever is more."""
+        return max(job.retained - job.parked, job.reserved)
+
     def _report_held(self, job: _Job) -> None:
         if job.ended is not None or self._jobs.get(job.name) is not job:
             return  # an ended attempt's late frees: a retry of the same name holds its own
-        held = self._offload_cap(job, max(job.retained - job.parked, job.reserved))
+        held = self._offload_cap(job, self._holding(job))
         self.scheduler.release(job.name, held)
         self._sample(job)
         self._cond.notify_all()

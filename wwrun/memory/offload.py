@@ -406,38 +406,38 @@ class PassOffload:
     def park(self) -> int:
         """Rule 6: the job waits at a gate; every pending tensor goes to the host now.
         Returns the bytes stashed (0 when the pool had no room)."""
+        parked = self.stash()
         with self.job.lock:
-            before = self.job.offloaded_bytes
-        self.stash()
-        with self.job.lock:
-            parked = self.job.offloaded_bytes - before
             self.job.parked_bytes += parked
         return parked
 
-    def stash(self) -> None:
-        """Pack every pending tensor into chunks of at most `chunk_bytes`."""
+    def stash(self) -> int:
+        """Pack every pending tensor into chunks of at most `chunk_bytes`; the bytes
+        that went to the host."""
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
-        start, size = 0, 0
+        start, size, stashed = 0, 0, 0
         for i, handle in enumerate(pending):
             size += _nbytes(handle.tensor)
             if size >= self.chunk_bytes or i == len(pending) - 1:
-                self._stash_chunk(pending[start:i + 1], size)
+                stashed += self._stash_chunk(pending[start:i + 1], size)
                 start, size = i + 1, 0
+        return stashed
 
-    def _stash_chunk(self, handles: list[_Handle], nbytes: int) -> None:
+    def _stash_chunk(self, handles: list[_Handle], nbytes: int) -> int:
         offloader, job = self.offloader, self.job
         buffer, free_after = offloader.pool.take(nbytes)
         if buffer is None:  # rule 5
             with job.lock:
                 job.kept_bytes += nbytes
-            return
+            return 0
         began = time.perf_counter()
         self.last = _Chunk(offloader, job, handles, buffer, free_after, self.last)
         offloader._span(job.name, "offload", began, time.perf_counter(), nbytes)
         job.moved(nbytes)  # the chunk holds no device tensor of theirs now
         with job.lock:
             job.offloaded_bytes += nbytes
+        return nbytes
 
 
 class _Chunk:
