@@ -278,6 +278,49 @@ print(json.dumps(seen))
     assert seen["asked"] >= seen["held"], seen
 
 
+def test_what_backward_holds_past_its_last_group_is_planned_for():
+    """Once backward has freed the saved tensors of a pass's first group, the job may
+    still hold much more than its step needs: tensors a stashing pass fetched back
+    from the host, gradients in flight. What it tells the scheduler at each group
+    covers what the allocator says it holds (seen: 41 MiB held, planned as 0)."""
+    code = r"""
+import json, threading, torch
+from torch import nn
+from wwrun.memory import Memory, allocator
+
+torch.set_num_threads(1)
+memory = Memory("cpu", 256 << 20, "waterwave", offload="always")
+scheduler, seen = memory.engine.scheduler, []
+release = scheduler.release
+def told(name, held):  # each time backward hands bytes back: what the allocator says then
+    release(name, held)
+    state = scheduler.jobs[name]
+    seen.append([allocator.cpu_job_stats(name)["held_bytes"]["current"], state.persistent + state.held])
+scheduler.release = told
+def job():
+    with memory.session("j"):
+        g = torch.Generator().manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                              nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(4):
+            if step == 2:
+                seen.clear()  # profiled, and its backward measured
+            x = torch.randn(24576, 32, generator=g)
+            y = torch.randint(0, 10, (24576,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+t = threading.Thread(target=job); t.start(); t.join()
+memory.close()
+print(json.dumps(seen))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert len(seen) >= 4, seen
+    assert all(held <= planned for held, planned in seen), seen
+
+
 def test_an_ended_job_gives_back_its_cache_and_the_running_jobs_keep_theirs():
     """On the CPU what an ended job left cached goes back to the machine as it ends
     (a sweep's queue would keep every ended job's high-water mark); a running job's

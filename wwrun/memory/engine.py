@@ -1073,27 +1073,30 @@ class Engine:
             crossed = False
             while job.release_marks and job.retained <= job.release_marks[0][0]:
                 _, group, label, after = job.release_marks.pop(0)
-                self._measure_backward(job, group)
-                job.reserved = min(job.reserved, after)
+                # Never below what it holds now: gradients in flight, tensors fetched
+                # back from the host.
+                job.reserved = max(min(job.reserved, after), self._measure_backward(job, group))
                 now = time.perf_counter()
                 self.timeline.span(job.name, f"bwd {label} g{group}", job.last_release, now)
                 job.last_release, crossed = now, True
             if crossed or job.retained == 0:
                 self._report_held(job)
 
-    def _measure_backward(self, job: _Job, group: int) -> None:
+    def _measure_backward(self, job: _Job, group: int) -> int:
         """Backward has gone through `group`: the most the job held meanwhile (since
         the group after it was through, or forward ended) is that group's backward
-        need, which later passes keep until backward is through it (Plan.keeps)."""
+        need, which later passes keep until backward is through it (Plan.keeps).
+        Returns what it holds now above what stays (0 unmeasured)."""
         plan = job.backward
         if plan is None or job.baseline is None:
-            return
-        _, peak = job.meter(True)
+            return 0
+        now, peak = job.meter(True)
         job.iter_peak = max(job.iter_peak, peak)
-        need = max(0, peak - max(job.baseline, job.persistent_peak))
-        plan.groups[group].backward_peak_bytes = max(plan.groups[group].backward_peak_bytes, need)
+        stays = max(job.baseline, job.persistent_peak)
+        plan.groups[group].backward_peak_bytes = max(plan.groups[group].backward_peak_bytes, peak - stays)
         if group == 0:
             job.backward = None
+        return max(0, now - stays)
 
     @staticmethod
     def _holding(job: _Job) -> int:
