@@ -816,6 +816,33 @@ def test_at_the_limit_a_running_job_s_idle_pages_go_to_another_and_its_range_kee
     assert alloc.job_stats("A")["held_bytes"]["current"] == 2 * MiB
 
 
+def _protections(base, size):
+    """The permissions of this process's mappings over [base, base + size)."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start < base + size and end > base:
+                found.add(perms)
+    return found
+
+
+def test_the_place_a_page_moved_from_is_address_space_only():
+    """A page cut out of a range moves with its page table entries (to a parking
+    slot, then to the range that maps it next; host_backend.h): the place it left
+    is reserved again with no access, so the job whose range it was cannot reach
+    what another job writes on it."""
+    alloc = two_jobs(reserved_limit=24 * MiB)
+    pin = half_empty_range(alloc, A)
+    got = alloc.alloc_traced(20 * MiB, B)  # A's 9 idle pages, moved (rule e)
+    assert got.rule == "e"
+    fill(alloc, got.ptr, got.size, 0x77)
+    assert _protections(pin - 18 * MiB, 18 * MiB) == {"---p"}
+    assert _protections(got.ptr, got.size) == {"rw-s"}
+    assert _protections(pin, 2 * MiB) == {"rw-s"}
+
+
 def test_a_running_job_s_idle_pages_stay_while_the_device_has_fresh_ones_and_an_ended_job_s_go_first():
     """Below the limit a request gets fresh pages rather than move a running job's
     cache (remapping and zeroing a page cost more than a fresh one, and the job

@@ -15,12 +15,34 @@
 
 #include "size_classes.h"
 
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4  // Linux 5.7, for shared mappings 5.13: older kernels refuse it
+#endif
+
 namespace wwrun::alloc {
 
 namespace {
 
+// Moves one page's mapping (and its page table entries) from `from` to `to`,
+// replacing the reservation there. The mapping at `from` stays, emptied, so no
+// other mmap of the process can land in a hole meanwhile; the caller reserves it
+// again (PROT_NONE). False where the kernel cannot.
+bool move_page(void* from, void* to) {
+  return ::mremap(from, kHostPageBytes, kHostPageBytes, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                  to) != MAP_FAILED;
+}
+
+
 [[noreturn]] void fail(const char* what) {
   throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " + std::strerror(errno));
+}
+
+// Address space only again, over a mapping of ours: no page behind it.
+void reserve(void* address, std::size_t bytes, const char* what) {
+  if (::mmap(address, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) ==
+      MAP_FAILED) {
+    fail(what);
+  }
 }
 
 }  // namespace
@@ -35,9 +57,40 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
   // Sparse: a page takes memory only once written.
   const std::size_t pages = capacity_ / kHostPageBytes;
   if (::ftruncate(fd_, static_cast<off_t>(pages * kHostPageBytes)) != 0) fail("ftruncate");
+  // Address space only (PROT_NONE, MAP_NORESERVE), but a capacity's worth more: not
+  // under an RLIMIT_AS, where the ranges need it (va_budget_). Without it a page cut
+  // out of a range is unmapped, and populated again where it is mapped next.
+  void* parking = unlimited && pages > 0 ? ::mmap(nullptr, pages * kHostPageBytes, PROT_NONE,
+                                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                                         : MAP_FAILED;
+  if (parking != MAP_FAILED) {
+    parking_ = static_cast<char*>(parking);
+    parked_.assign(pages, false);
+  }
 }
 
-HostBackend::~HostBackend() { ::close(fd_); }
+HostBackend::~HostBackend() {
+  if (parking_ != nullptr) ::munmap(parking_, parked_.size() * kHostPageBytes);
+  ::close(fd_);
+}
+
+// Moves the page mapped at `address` to its parking slot; `address` is reserved
+// again. False where the kernel cannot (the caller then unmaps it).
+bool HostBackend::park(std::uintptr_t address, PageHandle page) {
+  if (parking_ == nullptr || forked_ || page >= parked_.size()) return false;
+  if (!move_page(reinterpret_cast<void*>(address), parking_ + page * kHostPageBytes)) return false;
+  parked_[page] = true;
+  reserve(reinterpret_cast<void*>(address), kHostPageBytes, "mmap PROT_NONE over a parked page's place");
+  return true;
+}
+
+// The page leaves its parking slot (mapped elsewhere, or released): the slot is
+// address space again.
+void HostBackend::unpark(PageHandle page) {
+  if (page >= parked_.size() || !parked_[page]) return;
+  reserve(parking_ + page * kHostPageBytes, kHostPageBytes, "mmap PROT_NONE over a parking slot");
+  parked_[page] = false;
+}
 
 bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -57,6 +110,10 @@ bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages
 void HostBackend::page_release(PageHandle page) {
   // Back to the kernel, and zeroed for its next use. A forked child shares the
   // file with its parent, whose data this page may still hold: only forgotten.
+  if (!forked_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unpark(page);
+  }
   if (!forked_ && ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                               static_cast<off_t>(page * kHostPageBytes), kHostPageBytes) != 0) {
     fail("fallocate(PUNCH_HOLE)");
@@ -96,6 +153,15 @@ void HostBackend::va_release(void* base, std::size_t bytes) {
 
 void HostBackend::page_map(void* address, PageHandle page) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!forked_ && page < parked_.size() && parked_[page]) {
+    // Its page table entries move with it, over the reservation at `address`.
+    const bool moved = move_page(parking_ + page * kHostPageBytes, address);
+    unpark(page);
+    if (moved) {
+      mapped_[reinterpret_cast<std::uintptr_t>(address)] = page;
+      return;
+    }
+  }
   // A forked child maps fresh anonymous memory: the memfd's pages are its parent's.
   void* got = forked_ ? ::mmap(address, kHostPageBytes, PROT_READ | PROT_WRITE,
                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
@@ -107,12 +173,18 @@ void HostBackend::page_map(void* address, PageHandle page) {
 
 void HostBackend::page_unmap(void* address, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // The range stays reserved (PROT_NONE), as a CUDA reservation does.
-  void* got = ::mmap(address, bytes, PROT_NONE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-  if (got == MAP_FAILED) fail("mmap PROT_NONE over pages");
+  // The range stays reserved (PROT_NONE), as a CUDA reservation does; each page
+  // goes to its parking slot, where its next page_map finds it.
   const auto start = reinterpret_cast<std::uintptr_t>(address);
-  for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) mapped_.erase(at);
+  for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) {
+    auto found = mapped_.find(at);
+    if (found != mapped_.end() && park(at, found->second)) {
+      mapped_.erase(found);
+      continue;
+    }
+    reserve(reinterpret_cast<void*>(at), kHostPageBytes, "mmap PROT_NONE over pages");
+    if (found != mapped_.end()) mapped_.erase(found);
+  }
 }
 
 // Note [Pages after fork]: fork() copies a process's private memory copy-on-write,
