@@ -48,6 +48,13 @@ def _wwrun_measured(tmp_path: Path, *argv: str) -> tuple[dict, int]:
     return json.loads(report.read_text()), maxrss
 
 
+def _child_figures(code: str):
+    """Runs `code` in a fresh interpreter; the JSON of its last line."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def _stdout(report: dict, job: dict) -> str:
     return (Path(report["run"]["log_dir"]) / job["name"] / "stdout.log").read_text()
 
@@ -235,9 +242,7 @@ t = threading.Thread(target=job); t.start(); t.join()
 print(json.dumps([plan.targets(), [g.backward_peak_bytes for g in plan.groups], plan.keeps()]))
 memory.close()
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    targets, backward, keeps = json.loads(result.stdout.splitlines()[-1])
+    targets, backward, keeps = _child_figures(code)
     assert len(targets) == 4 and all(backward), backward  # every group's backward measured
     assert any(b > t for b, t in zip(backward, targets)), (backward, targets)  # more than forward's
     for i in range(1, 4):
@@ -272,9 +277,7 @@ t = threading.Thread(target=job); t.start(); t.join()
 memory.close()
 print(json.dumps(seen))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.splitlines()[-1])
+    seen = _child_figures(code)
     assert seen["asked"] >= seen["held"], seen
 
 
@@ -314,9 +317,7 @@ t = threading.Thread(target=job); t.start(); t.join()
 memory.close()
 print(json.dumps(seen))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.splitlines()[-1])
+    seen = _child_figures(code)
     assert len(seen) >= 4, seen
     assert all(held <= planned for held, planned in seen), seen
 
@@ -543,9 +544,7 @@ figures.append(run("after", 1))
 print(json.dumps([figures, memory.outlived_bytes, memory.run_report()["outlived_bytes"], notes]))
 memory.close()
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
-    assert result.returncode == 0, result.stderr
-    figures, outlived, reported, notes = json.loads(result.stdout.splitlines()[-1])
+    figures, outlived, reported, notes = _child_figures(code)
     (small, small_plan), (leaky, leaky_plan), (after, after_plan) = figures
     assert small == small_plan and leaky == leaky_plan and after == after_plan  # one budget
     assert small > 63 * MiB  # nothing held for no job
