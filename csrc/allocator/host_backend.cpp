@@ -67,6 +67,15 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
     parking_ = static_cast<char*>(parking);
     parked_.assign(pages, false);
   }
+  // A parked page is a mapping of its own, as each mapped page is: parking keeps to
+  // a quarter of the kernel's limit on a process's mappings (vm.max_map_count).
+  std::size_t max_maps = 65530;
+  if (std::FILE* limit = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+    unsigned long value = 0;
+    if (std::fscanf(limit, "%lu", &value) == 1 && value > 0) max_maps = value;
+    std::fclose(limit);
+  }
+  max_parked_ = max_maps / 4;
 }
 
 HostBackend::~HostBackend() {
@@ -77,9 +86,10 @@ HostBackend::~HostBackend() {
 // Moves the page mapped at `address` to its parking slot; `address` is reserved
 // again. False where the kernel cannot (the caller then unmaps it).
 bool HostBackend::park(std::uintptr_t address, PageHandle page) {
-  if (parking_ == nullptr || forked_ || page >= parked_.size()) return false;
+  if (parking_ == nullptr || forked_ || page >= parked_.size() || parked_count_ >= max_parked_) return false;
   if (!move_page(reinterpret_cast<void*>(address), parking_ + page * kHostPageBytes)) return false;
   parked_[page] = true;
+  ++parked_count_;
   reserve(reinterpret_cast<void*>(address), kHostPageBytes, "mmap PROT_NONE over a parked page's place");
   return true;
 }
@@ -90,6 +100,7 @@ void HostBackend::unpark(PageHandle page) {
   if (page >= parked_.size() || !parked_[page]) return;
   reserve(parking_ + page * kHostPageBytes, kHostPageBytes, "mmap PROT_NONE over a parking slot");
   parked_[page] = false;
+  --parked_count_;
 }
 
 bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {

@@ -20,7 +20,8 @@
 // mapped next. Unmapping it and mapping it again (MAP_POPULATE) walked its 128
 // entries twice, tearing down and rebuilding each: with three jobs taking turns
 // under a budget for two (benchmarks/waterwave.py's part (b)) the kernel took 11%
-// of the process's CPU that way, 6% with moves.
+// of the process's CPU that way, 6% with moves. A parked page is a mapping of its
+// own: at most a quarter of vm.max_map_count are parked, the rest are unmapped.
 //
 // Simulation: each stream has a count of events recorded on it and a count of
 // events completed. A stream is "running" unless a test holds it: events recorded
@@ -107,6 +108,8 @@ class HostBackend : public Backend {
   // Page i's slot is parking_ + i * kHostPageBytes; parked_[i]: it is mapped there.
   char* parking_ = nullptr;
   std::vector<bool> parked_;
+  std::size_t parked_count_ = 0;
+  std::size_t max_parked_ = 0;
   bool park(std::uintptr_t address, PageHandle page);
   void unpark(PageHandle page);
   std::size_t va_reserved_ = 0;
