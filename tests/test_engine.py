@@ -195,7 +195,8 @@ def test_a_job_waiting_at_a_gate_parks_its_activations_so_that_another_job_runs_
     forward waits at its third group for a's memory; c, a smaller job, needs what b
     holds. b parks its saved tensors on the host, c trains an iteration while a
     still holds its pass, and b's backward fetches them back: the losses are those
-    of the jobs alone."""
+    of the jobs alone. b's input stays: its caller's frames hold it until the
+    forward returns, so copying it would free nothing."""
     batch, small = 512, 128
     groups = [batch * 32 * F32, batch * 256 * F32, batch * 256 * F32]
     capacity = 9 * param_bytes() + activation_bytes(batch) + groups[0] + groups[1] + groups[2] // 2
@@ -252,7 +253,7 @@ def test_a_job_waiting_at_a_gate_parks_its_activations_so_that_another_job_runs_
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads), "a job hung"
     assert c_trained_beside_a
-    assert engine.job_report("b")["parked_bytes"] >= groups[0] + groups[1]
+    assert groups[1] <= engine.job_report("b")["parked_bytes"] < groups[0] + groups[1]
     assert engine.job_report("b")["fetched_bytes"] == engine.job_report("b")["offloaded_bytes"]
     assert engine.job_report("a")["parked_bytes"] == 0
     assert engine.run_report()["peak_memory_bytes"] <= capacity

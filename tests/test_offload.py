@@ -138,15 +138,22 @@ def test_a_parkable_pass_keeps_its_tensors_on_the_device_until_it_parks():
     assert offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cpu") is None  # auto: nothing to do
     run = offloader.begin_pass("j", room=8 * offload.MIN_CHUNK_BYTES, device="cpu", parkable=True)
     small = torch.randn(16)
-    assert run.keep(small) is not small and run.parkable_bytes() == 0  # too little to be worth a copy
+    assert run.keep(small) is not small
+    del small
+    assert run.parkable_bytes() == 0  # too little to be worth a copy
     tensors = [torch.randn(64, 256) for _ in range(3)]  # 64 KiB each
     kept = [run.keep(t) for t in tensors]
     run.boundary()  # a parkable pass stashes nothing on its own
     assert offloader.report("j")["offloaded_bytes"] == 0 and kept[0].tensor is tensors[0]
+    expected = [t.clone() for t in tensors]
+    # Held elsewhere (here, by the test): copying them away would free nothing.
+    assert run.parkable_bytes() == 0
+    view = tensors[1].view(-1)
+    del tensors
+    assert run.parkable_bytes() == 2 * 64 * 1024 + 64  # not the one a view still holds
+    del view
     assert run.parkable_bytes() == 3 * 64 * 1024 + 64
     assert run.park() == 3 * 64 * 1024 + 64 and not run.pending and run.parkable_bytes() == 0
-    expected = [t.clone() for t in tensors]
-    del tensors
     assert all(torch.equal(k.get(), e) for k, e in zip(kept, expected))
     report = offloader.report("j")
     assert report["parked_bytes"] == report["offloaded_bytes"] == report["fetched_bytes"] == 3 * 64 * 1024 + 64

@@ -50,6 +50,9 @@ Rules (in order):
    (`park()`: stashed, as above, in one go) when the copies there and back, at the
    rate `measure_copy_rate` found at start-up, take less than a forward of the job:
    the other job runs now, and backward fetches the chunks back as for any stash.
+   Only tensors nothing else holds are parked: a copy frees nothing of one the
+   script still has (its batch, the activation the forward is passing on), and
+   counting it freed let another job in on bytes that were not there.
 
 On CUDA the copies run on a side stream of the job's (ordered by events, so forward
 and backward compute overlap them) and `record_stream` keeps a block from being reused
@@ -60,6 +63,7 @@ are synchronous, through the same chunks and handles.
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
 import time
 import weakref
@@ -186,6 +190,21 @@ def _copy_in(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _only_saved(handle: _Handle) -> bool:
+    """Whether the handle holds the only reference to its tensor and the tensor the
+    only one to its storage (no view of it): then copying it away frees its memory.
+    sys.getrefcount counts the handle's slot, and its own argument."""
+    if handle.tensor is None or sys.getrefcount(handle.tensor) > 2:
+        return False
+    if _STORAGE_USE_COUNT is None:
+        return True
+    # The storage's Python object made here counts once, as the tensor does.
+    return _STORAGE_USE_COUNT(handle.tensor.untyped_storage()._cdata) <= 2
 
 
 def _owns_storage(tensor: torch.Tensor) -> bool:
@@ -400,21 +419,29 @@ class PassOffload:
             self.stash()
 
     def parkable_bytes(self) -> int:
-        """What `park()` would move: the pending bytes, when worth a chunk."""
-        return self.pending_bytes if self.pending_bytes >= MIN_CHUNK_BYTES else 0
+        """What `park()` would free: the pending tensors nothing else holds, when
+        worth a chunk."""
+        free = sum(_nbytes(handle.tensor) for handle in self.pending if _only_saved(handle))
+        return free if free >= MIN_CHUNK_BYTES else 0
 
     def park(self) -> int:
-        """Rule 6: the job waits at a gate; every pending tensor goes to the host now.
-        Returns the bytes stashed (0 when the pool had no room)."""
-        parked = self.stash()
+        """Rule 6: the job waits at a gate; every pending tensor nothing else holds
+        goes to the host now. Returns the bytes stashed (0 when the pool had no room)."""
+        parked = self.stash([handle for handle in self.pending if _only_saved(handle)])
         with self.job.lock:
             self.job.parked_bytes += parked
         return parked
 
-    def stash(self) -> int:
-        """Pack every pending tensor into chunks of at most `chunk_bytes`; the bytes
-        that went to the host."""
-        pending, self.pending, self.pending_bytes = self.pending, [], 0
+    def stash(self, handles: list[_Handle] | None = None) -> int:
+        """Pack the pending tensors (or those of them in `handles`) into chunks of at
+        most `chunk_bytes`; the bytes that went to the host."""
+        if handles is None:
+            pending, self.pending, self.pending_bytes = self.pending, [], 0
+        else:
+            chosen = set(map(id, handles))
+            pending = handles
+            self.pending = [handle for handle in self.pending if id(handle) not in chosen]
+            self.pending_bytes = sum(_nbytes(handle.tensor) for handle in self.pending)
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
         start, size, stashed = 0, 0, 0
         for i, handle in enumerate(pending):
