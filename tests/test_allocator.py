@@ -829,8 +829,8 @@ def _protections(base, size):
 
 
 def test_the_place_a_page_moved_from_is_address_space_only():
-    """A page cut out of a range moves with its page table entries (to a parking
-    slot, then to the range that maps it next; host_backend.h): the place it left
+    """A page cut out of a range moves with its page table entries (onto a shelf,
+    then to the range that maps it next; host_backend.h): the place it left
     is reserved again with no access, so the job whose range it was cannot reach
     what another job writes on it."""
     alloc = two_jobs(reserved_limit=24 * MiB)

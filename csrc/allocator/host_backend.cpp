@@ -57,17 +57,17 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
   // Sparse: a page takes memory only once written.
   const std::size_t pages = capacity_ / kHostPageBytes;
   if (::ftruncate(fd_, static_cast<off_t>(pages * kHostPageBytes)) != 0) fail("ftruncate");
-  // Address space only (PROT_NONE, MAP_NORESERVE), but a capacity's worth more: not
-  // under an RLIMIT_AS, where the ranges need it (va_budget_). Without it a page cut
-  // out of a range is unmapped, and populated again where it is mapped next.
-  void* parking = unlimited && pages > 0 ? ::mmap(nullptr, pages * kHostPageBytes, PROT_NONE,
-                                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-                                         : MAP_FAILED;
-  if (parking != MAP_FAILED) {
-    parking_ = static_cast<char*>(parking);
-    parked_.assign(pages, false);
+  // The shelf: address space only (PROT_NONE, MAP_NORESERVE), but a capacity's worth
+  // more, so not under an RLIMIT_AS, where the ranges need it (va_budget_). Without it
+  // a page cut out of a range is unmapped, and populated again where it goes next.
+  void* shelf = unlimited && pages > 0 ? ::mmap(nullptr, pages * kHostPageBytes, PROT_NONE,
+                                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                                       : MAP_FAILED;
+  if (shelf != MAP_FAILED) {
+    shelf_ = static_cast<char*>(shelf);
+    shelved_.assign(pages, false);
   }
-  // A parked page is a mapping of its own, as each mapped page is: parking keeps to
+  // A shelved page is a mapping of its own, as each mapped page is: shelving keeps to
   // a quarter of the kernel's limit on a process's mappings (vm.max_map_count).
   std::size_t max_maps = 65530;
   if (std::FILE* limit = std::fopen("/proc/sys/vm/max_map_count", "r")) {
@@ -75,32 +75,32 @@ HostBackend::HostBackend(std::size_t capacity_bytes) : capacity_(capacity_bytes)
     if (std::fscanf(limit, "%lu", &value) == 1 && value > 0) max_maps = value;
     std::fclose(limit);
   }
-  max_parked_ = max_maps / 4;
+  max_shelved_ = max_maps / 4;
 }
 
 HostBackend::~HostBackend() {
-  if (parking_ != nullptr) ::munmap(parking_, parked_.size() * kHostPageBytes);
+  if (shelf_ != nullptr) ::munmap(shelf_, shelved_.size() * kHostPageBytes);
   ::close(fd_);
 }
 
-// Moves the page mapped at `address` to its parking slot; `address` is reserved
+// Moves the page mapped at `address` to its shelf slot; `address` is reserved
 // again. False where the kernel cannot (the caller then unmaps it).
-bool HostBackend::park(std::uintptr_t address, PageHandle page) {
-  if (parking_ == nullptr || forked_ || page >= parked_.size() || parked_count_ >= max_parked_) return false;
-  if (!move_page(reinterpret_cast<void*>(address), parking_ + page * kHostPageBytes)) return false;
-  parked_[page] = true;
-  ++parked_count_;
-  reserve(reinterpret_cast<void*>(address), kHostPageBytes, "mmap PROT_NONE over a parked page's place");
+bool HostBackend::shelve(std::uintptr_t address, PageHandle page) {
+  if (shelf_ == nullptr || forked_ || page >= shelved_.size() || shelved_count_ >= max_shelved_) return false;
+  if (!move_page(reinterpret_cast<void*>(address), shelf_ + page * kHostPageBytes)) return false;
+  shelved_[page] = true;
+  ++shelved_count_;
+  reserve(reinterpret_cast<void*>(address), kHostPageBytes, "mmap PROT_NONE over a shelved page's place");
   return true;
 }
 
-// The page leaves its parking slot (mapped elsewhere, or released): the slot is
+// The page leaves its shelf slot (mapped elsewhere, or released): the slot is
 // address space again.
-void HostBackend::unpark(PageHandle page) {
-  if (page >= parked_.size() || !parked_[page]) return;
-  reserve(parking_ + page * kHostPageBytes, kHostPageBytes, "mmap PROT_NONE over a parking slot");
-  parked_[page] = false;
-  --parked_count_;
+void HostBackend::unshelve(PageHandle page) {
+  if (page >= shelved_.size() || !shelved_[page]) return;
+  reserve(shelf_ + page * kHostPageBytes, kHostPageBytes, "mmap PROT_NONE over a shelf slot");
+  shelved_[page] = false;
+  --shelved_count_;
 }
 
 bool HostBackend::pages_create(std::size_t count, std::vector<PageHandle>* pages) {
@@ -123,7 +123,7 @@ void HostBackend::page_release(PageHandle page) {
   // file with its parent, whose data this page may still hold: only forgotten.
   if (!forked_) {
     std::lock_guard<std::mutex> lock(mutex_);
-    unpark(page);
+    unshelve(page);
   }
   if (!forked_ && ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                               static_cast<off_t>(page * kHostPageBytes), kHostPageBytes) != 0) {
@@ -164,10 +164,10 @@ void HostBackend::va_release(void* base, std::size_t bytes) {
 
 void HostBackend::page_map(void* address, PageHandle page) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!forked_ && page < parked_.size() && parked_[page]) {
+  if (!forked_ && page < shelved_.size() && shelved_[page]) {
     // Its page table entries move with it, over the reservation at `address`.
-    const bool moved = move_page(parking_ + page * kHostPageBytes, address);
-    unpark(page);
+    const bool moved = move_page(shelf_ + page * kHostPageBytes, address);
+    unshelve(page);
     if (moved) {
       mapped_[reinterpret_cast<std::uintptr_t>(address)] = page;
       return;
@@ -185,11 +185,11 @@ void HostBackend::page_map(void* address, PageHandle page) {
 void HostBackend::page_unmap(void* address, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   // The range stays reserved (PROT_NONE), as a CUDA reservation does; each page
-  // goes to its parking slot, where its next page_map finds it.
+  // goes to its shelf slot, where its next page_map finds it.
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) {
     auto found = mapped_.find(at);
-    if (found != mapped_.end() && park(at, found->second)) {
+    if (found != mapped_.end() && shelve(at, found->second)) {
       mapped_.erase(found);
       continue;
     }

@@ -16,12 +16,12 @@
 // mappings (vm.max_map_count) for little.
 //
 // A page cut out of a range is moved, not unmapped: mremap carries its page table
-// entries to the page's slot in a parking range, and back out to wherever it is
+// entries to the page's slot in a shelf, and back out to wherever it is
 // mapped next. Unmapping it and mapping it again (MAP_POPULATE) walked its 128
 // entries twice, tearing down and rebuilding each: with three jobs taking turns
 // under a budget for two (benchmarks/waterwave.py's part (b)) the kernel took 11%
-// of the process's CPU that way, 6% with moves. A parked page is a mapping of its
-// own: at most a quarter of vm.max_map_count are parked, the rest are unmapped.
+// of the process's CPU that way, 6% with moves. A shelved page is a mapping of its
+// own: at most a quarter of vm.max_map_count are shelved, the rest are unmapped.
 //
 // Simulation: each stream has a count of events recorded on it and a count of
 // events completed. A stream is "running" unless a test holds it: events recorded
@@ -105,13 +105,13 @@ class HostBackend : public Backend {
   std::vector<PageHandle> free_pages_;  // released, punched
   bool forked_ = false;
   std::unordered_map<std::uintptr_t, PageHandle> mapped_;  // page address -> page
-  // Page i's slot is parking_ + i * kHostPageBytes; parked_[i]: it is mapped there.
-  char* parking_ = nullptr;
-  std::vector<bool> parked_;
-  std::size_t parked_count_ = 0;
-  std::size_t max_parked_ = 0;
-  bool park(std::uintptr_t address, PageHandle page);
-  void unpark(PageHandle page);
+  // Page i's slot is shelf_ + i * kHostPageBytes; shelved_[i]: it is mapped there.
+  char* shelf_ = nullptr;
+  std::vector<bool> shelved_;
+  std::size_t shelved_count_ = 0;
+  std::size_t max_shelved_ = 0;
+  bool shelve(std::uintptr_t address, PageHandle page);
+  void unshelve(PageHandle page);
   std::size_t va_reserved_ = 0;
   // Address space the ranges may reserve. Each job's ranges keep their extent and
   // room while their pages are cut out (Note [Layouts]), so they need much more
