@@ -32,7 +32,6 @@ bool move_page(void* from, void* to) {
                   to) != MAP_FAILED;
 }
 
-
 [[noreturn]] void fail(const char* what) {
   throw std::runtime_error(std::string("wwrun allocator: ") + what + ": " + std::strerror(errno));
 }
@@ -187,6 +186,11 @@ void HostBackend::page_unmap(void* address, std::size_t bytes) {
   // The range stays reserved (PROT_NONE), as a CUDA reservation does; each page
   // goes to its shelf slot, where its next page_map finds it.
   const auto start = reinterpret_cast<std::uintptr_t>(address);
+  if (shelf_ == nullptr || forked_) {  // no shelf: the run in one call
+    reserve(address, bytes, "mmap PROT_NONE over pages");
+    for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) mapped_.erase(at);
+    return;
+  }
   for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) {
     auto found = mapped_.find(at);
     if (found != mapped_.end() && shelve(at, found->second)) {
