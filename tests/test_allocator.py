@@ -84,13 +84,13 @@ def test_rule_b_hands_a_completed_block_to_another_stream_of_the_job_unzeroed():
 def test_blocks_never_pass_between_jobs_only_pages_zeroed():
     """Another job's request never gets a block of A's ranges: it gets a range of
     its own, over pages mapped for it, and A's freed page moves there zeroed."""
-    alloc = two_jobs(reserved_limit=2 * PAGE)
+    alloc = two_jobs()
     secret = alloc.alloc_traced(PAGE, A)  # a page of its own in A's range
     alloc.alloc(4096, A)  # A's other page, a tiny range's
     fill(alloc, secret.ptr, secret.size, 0xAB)
     alloc.free(secret.ptr)
-    got = alloc.alloc_traced(PAGE, B)  # the limit allows no fresh page: A's moves (rule e)
-    assert got.rule == "e" and got.zeroed is False  # zeroed as the page moved, not at hand-out
+    got = alloc.alloc_traced(PAGE, B)  # A's idle page moves, before a fresh one is made (d)
+    assert got.rule == "d" and got.zeroed is False  # zeroed as the page moved, not at hand-out
     assert not secret.ptr <= got.ptr < secret.ptr + PAGE
     assert alloc.read(got.ptr, got.size) == bytes(got.size)
     device = alloc.stats()["device"]
@@ -799,15 +799,16 @@ def half_empty_range(alloc, stream):
     return pin
 
 
-def test_at_the_limit_a_running_job_s_idle_pages_go_to_another_and_its_range_keeps_its_shape():
-    """A's range holds 18 free MiB before a live block: B's request does not fit
-    under the limit without them; the 9 idle pages go to B's new range (rule e),
-    and A's range keeps its shape: its block stays, and only its page is mapped."""
-    alloc = two_jobs(reserved_limit=24 * MiB)
+def test_a_running_job_s_idle_pages_go_to_another_before_fresh_ones_and_its_range_keeps_its_shape():
+    """A's range holds 18 free MiB before a live block: with no limit in the way,
+    B's request still gets those 9 idle pages before fresh ones (the device holds
+    what the jobs use, not A's cache of its peak), and A's range keeps its shape:
+    its block stays, and only its page is mapped."""
+    alloc = two_jobs()
     pin = half_empty_range(alloc, A)
     fill(alloc, pin, 2 * MiB, 0x5A)
     got = alloc.alloc_traced(20 * MiB, B)  # the 18 idle MiB of pages, 2 fresh ones
-    assert got.rule == "e" and alloc.read(got.ptr, got.size) == bytes(got.size)  # A's data zeroed
+    assert got.rule == "d" and alloc.read(got.ptr, got.size) == bytes(got.size)  # A's data zeroed
     assert (pin, 2 * MiB) in ranges(alloc)
     assert alloc.read(pin, 2 * MiB) == bytes([0x5A]) * (2 * MiB)
     device = alloc.stats()["device"]
@@ -835,30 +836,44 @@ def test_the_place_a_page_moved_from_is_address_space_only():
     what another job writes on it."""
     alloc = two_jobs(reserved_limit=24 * MiB)
     pin = half_empty_range(alloc, A)
-    got = alloc.alloc_traced(20 * MiB, B)  # A's 9 idle pages, moved (rule e)
-    assert got.rule == "e"
+    got = alloc.alloc_traced(20 * MiB, B)  # A's 9 idle pages, moved (rule d)
+    assert got.rule == "d"
     fill(alloc, got.ptr, got.size, 0x77)
     assert _protections(pin - 18 * MiB, 18 * MiB) == {"---p"}
     assert _protections(got.ptr, got.size) == {"rw-s"}
     assert _protections(pin, 2 * MiB) == {"rw-s"}
 
 
-def test_a_running_job_s_idle_pages_stay_while_the_device_has_fresh_ones_and_an_ended_job_s_go_first():
-    """Below the limit a request gets fresh pages rather than move a running job's
-    cache (remapping and zeroing a page cost more than a fresh one, and the job
-    will want it back); an ended job's idle pages are no one's and go first."""
+def test_idle_pages_go_before_fresh_ones_an_ended_job_s_first_then_the_job_s_own_then_others():
+    """Below the limit a request gets ready idle pages before fresh ones (the
+    device holds what the jobs use): an ended job's first (no one's cache), then
+    its own job's (no zeroing), then another running job's; a running job's cache
+    gives only the pages wanted, from its free block's end."""
     alloc = two_jobs()
-    pin = half_empty_range(alloc, A)  # 20 MiB reserved, 18 of them idle
-    got = alloc.alloc_traced(20 * MiB, B)
-    assert got.rule == "d" and alloc.stats()["device"]["num_page_moves"] == 0
-    assert alloc.stats()["device"]["reserved_bytes"]["current"] == 40 * MiB
-    alloc.unregister_job("A")  # its pin outlives it; its idle pages are scrubbed
     alloc.register_stream(C, "C")
-    again = alloc.alloc_traced(18 * MiB, C)
-    assert alloc.read(again.ptr, again.size) == bytes(again.size)
+    for stream in (A, B, C):  # each range's freed pages stay behind its event: all fresh
+        alloc.hold(stream)
+    pins = {stream: half_empty_range(alloc, stream) for stream in (A, B, C)}
+    for stream in (A, B, C):
+        alloc.complete(stream)
+    alloc.unregister_job("A")  # its pin outlives it
+    mapped = lambda pin: {s["base"]: s["size"] for s in alloc.segments()}.get(pin - 18 * MiB, 0)
+
+    got = alloc.alloc_traced(20 * MiB, B)  # A's 18 idle MiB, then 2 of B's own
     device = alloc.stats()["device"]
-    assert device["num_page_moves"] == 18 * MiB // PAGE and device["reserved_bytes"]["current"] == 40 * MiB
-    assert any(s["base"] <= pin < s["base"] + s["size"] for s in alloc.segments())  # still mapped
+    assert got.rule == "d" and device["reserved_bytes"]["current"] == 60 * MiB
+    assert device["num_page_moves"] == 20 * MiB // PAGE
+    scrubbed = alloc.job_stats("B")["scrubbed_bytes"]  # A's data, unless scrubbed as A ended
+    assert scrubbed == 18 * MiB - device["batch_scrubbed_bytes"]  # B's own: not zeroed
+    assert mapped(pins[B]) == 16 * MiB and mapped(pins[C]) == 20 * MiB  # C's untouched, pin and all
+
+    got = alloc.alloc_traced(24 * MiB, B)  # B's 16 idle MiB, then 8 of C's
+    device = alloc.stats()["device"]
+    assert device["reserved_bytes"]["current"] == 60 * MiB and device["num_page_moves"] == 44 * MiB // PAGE
+    assert alloc.job_stats("B")["scrubbed_bytes"] == scrubbed + 8 * MiB  # C's data
+    assert mapped(pins[B]) == 0 and mapped(pins[C]) == 10 * MiB
+    assert alloc.read(pins[C] - 18 * MiB, 10 * MiB) == bytes([SECRET]) * (10 * MiB)  # C's front kept
+    alloc.check_invariants()
 
 
 def test_a_range_whose_last_block_is_free_grows_in_place():
@@ -912,8 +927,8 @@ def test_a_range_is_stitched_from_pages_scattered_over_other_ranges():
     device = alloc.stats()["device"]
     assert device["largest_free_block"] < 20 * MiB and device["reserved_bytes"]["current"] == 40 * MiB
     alloc.register_stream(C, "C")
-    got = alloc.alloc_traced(20 * MiB, C)  # 10 pages, from two places (at the limit: e)
-    assert got.rule == "e" and got.size >= 20 * MiB
+    got = alloc.alloc_traced(20 * MiB, C)  # 10 idle pages, from two places (d)
+    assert got.rule == "d" and got.size >= 20 * MiB
     assert alloc.read(got.ptr, got.size) == bytes(got.size)  # A's and B's data zeroed
     fill(alloc, got.ptr, got.size, 0x77)
     assert alloc.read(got.ptr, got.size) == bytes([0x77]) * got.size

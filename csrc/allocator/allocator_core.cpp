@@ -100,11 +100,14 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     // d, e. the pages under it, then it is held apart for this request. One
     // block at a time has pages mapped under it (map_under): another waits its
     // turn, then looks again, as blocks may have come and gone.
-    if (mapping_ && lacks_pages(block, size)) {
+    // The pages under every byte handed out: the whole block when carve keeps
+    // no rest (a live block is never over an unmapped page).
+    const std::size_t extent = should_split(block->size, size, block->next == nullptr) ? size : block->size;
+    if (mapping_ && lacks_pages(block, extent)) {
       freed_cv_.wait(lock, [&] { return !mapping_; });  // bounded: map_under's waits are
       continue;
     }
-    if (map_under(lock, block, size, stream, job, stage, lacking, spare, out)) break;
+    if (map_under(lock, block, extent, stream, job, stage, lacking, spare, out)) break;
 
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
@@ -288,11 +291,11 @@ bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, 
   std::vector<FreePage> pages;
   bool got = false;
   try {
-    // The budget's free pages, the block's own idle ones past the request, and
-    // ended jobs' idle pages before fresh ones (Note [Layouts]: no running job's
-    // cache moves while the device has room); at the limit, e.
+    // The budget's free pages, the block's own idle ones past the request, then
+    // ready idle pages of any range before fresh ones (Note [Layouts]: the device
+    // holds what the jobs use); at the limit, e.
     if (free_pages_.size() < lacking) cut_pages_past(block, size);
-    if (free_pages_.size() < lacking) cut_idle_pages(lacking - free_pages_.size(), job, true);
+    if (free_pages_.size() < lacking) cut_idle_pages(lacking - free_pages_.size(), job);
     while (!(got = take_pages(lock, lacking, job, pages))) {
       // e. idle pages behind pending events too (the host waits), then d again.
       if (stage < kRuleE) {
@@ -512,24 +515,29 @@ std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, J
 
 // At least `wanted` pages back to the budget, if ready free blocks hold idle
 // ones: ended jobs' ranges first (no one's cache), then the job's own (no
-// zeroing), then other running jobs', those with the most idle pages first;
-// with `ended_only`, ended jobs' alone. Returns the pages gained.
-std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job, bool ended_only) {
+// zeroing), then other running jobs', those with the most idle pages first.
+// Returns the pages gained.
+std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job) {
   process_events_locked();
   const auto rank = [&](const Segment* segment) {
     return !jobs_[segment->job].active ? 0 : segment->job == job ? 1 : 2;
   };
   std::vector<Segment*> candidates;
   for (auto& [base, segment] : segments_) {
-    if (segment->idle > 0 && (!ended_only || rank(segment) == 0)) candidates.push_back(segment);
+    if (segment->idle > 0) candidates.push_back(segment);
   }
   std::stable_sort(candidates.begin(), candidates.end(), [&](const Segment* x, const Segment* y) {
     return rank(x) != rank(y) ? rank(x) < rank(y) : x->idle > y->idle;
   });
   std::size_t gained = 0;
   for (Segment* segment : candidates) {
+    // An ended job's pages all go (its range can then be given back); a running
+    // job's cache loses only the pages wanted.
+    const bool whole = rank(segment) == 0;
     for (Block* block = segment->head; block != nullptr && gained < wanted; block = block->next) {
-      if (is_idle_free(block) && block->event == nullptr) gained += cut_pages(block);
+      if (is_idle_free(block) && block->event == nullptr) {
+        gained += cut_pages_past(block, 0, nullptr, whole ? SIZE_MAX : wanted - gained);
+      }
     }
     if (gained >= wanted) break;
   }
@@ -581,13 +589,19 @@ std::size_t MemoryFlowAllocator::cut_pages(Block* block, std::vector<FreePage>* 
   return cut_pages_past(block, 0, into);
 }
 
-// The same, past the first `keep` bytes of the block.
+// The same, past the first `keep` bytes of the block, and at most `most` pages:
+// the last ones, so that the block's front, where its job's next request of
+// the kind starts, stays mapped.
 std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
-                                                std::vector<FreePage>* into) {
+                                                std::vector<FreePage>* into, std::size_t most) {
   Segment* segment = block->segment;
   const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
-  const std::size_t first = (start + keep + page_ - 1) / page_;
+  std::size_t first = (start + keep + page_ - 1) / page_;
   const std::size_t last = (start + block->size) / page_;  // one past
+  for (std::size_t i = last, seen = 0; i > first && seen < most;) {
+    seen += segment->pages[--i].mapped;
+    if (seen == most) first = i;
+  }
   std::size_t count = 0;
   for (std::size_t i = first; i < last; ++i) {
     PageSlot& slot = segment->pages[i];

@@ -32,11 +32,11 @@
 //      its class's room (size_classes.h: c10's segment sizes, or the request's
 //      pages and as much again). Whichever block a-d gives, the pages under the
 //      bytes handed out that are not mapped are mapped now: the budget's free
-//      pages, idle pages (mapped, under no live block, ready) of ended jobs'
-//      ranges, then fresh ones from the device;
-//   e. at the limit, idle pages cut out of running jobs' ranges: the job's own
-//      first, then the others'; then those behind pending events too (the host
-//      waits for their events); then d is tried again;
+//      pages, then idle pages (mapped, under no live block, ready) cut out of
+//      any range (ended jobs' first, then the job's own, then the other running
+//      jobs'), then fresh ones from the device;
+//   e. at the limit, idle pages behind pending events too (the host waits for
+//      their events); then d is tried again;
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
 //      itself waiting here, none will free: the latest to arrive fails at once
@@ -97,10 +97,13 @@
 //     the same course beside other jobs as alone, and a request succeeds
 //     whenever the pages all jobs hold leave room for the ones it adds: the
 //     engine plans in held bytes, exactly, with no margin for fragmentation;
-//   - idle pages stay mapped while nobody needs them (remapping is a driver call
-//     per page and, on the host, page faults; a page that changes jobs is
-//     zeroed too): a running job's cache moves only at the limit (e), when the
-//     device has no fresh page to give, as Waterwave's flow needs it;
+//   - idle pages stay mapped while nobody needs them, and an idle page that is
+//     ready goes to the next request that lacks one before a fresh page is
+//     made, even while the device has room: the device then holds what the jobs
+//     use (reserved follows their summed allocation, as Waterwave's flow means
+//     it), not each job's cache of its own peak. A move costs a remap (a driver
+//     call per page; on the host, a page-table move) and, between jobs, a
+//     zeroing; a job's own idle pages go before others', with no zeroing;
 //   - a page is unmapped only once its last use completed: a ready block's at
 //     once, a pending block's after the host waited for its event (e; unmapping
 //     memory the device still uses is undefined). Within a job, blocks still
@@ -502,10 +505,11 @@ class MemoryFlowAllocator {
   void map_pages(Block* block, const std::vector<std::size_t>& slots,
                  const std::vector<FreePage>& pages, JobId job, ZeroRuns& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
-  std::size_t cut_idle_pages(std::size_t wanted, JobId job, bool ended_only = false);
+  std::size_t cut_idle_pages(std::size_t wanted, JobId job);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   std::size_t cut_pages(Block* block, std::vector<FreePage>* into = nullptr);
-  std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr);
+  std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr,
+                             std::size_t most = SIZE_MAX);
   bool lacks_pages(const Block* block, std::size_t size) const;
   std::vector<std::size_t> unmapped_slots(const Block* block, std::size_t size) const;
   void end_mapping(Block* block, bool keep);
