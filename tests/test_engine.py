@@ -638,6 +638,47 @@ def test_a_profiled_pass_that_never_steps_does_not_hold_the_other_jobs_back():
     assert waited == [True]
 
 
+def test_a_newcomer_alike_a_settled_job_runs_its_first_pass_beside_that_job_s_pass():
+    """One of a sweep (same parameters, same inputs) is planned with the settled
+    job's claim: its first, measured, pass starts while the other job holds its
+    activations between forward and backward, instead of waiting for them to drain."""
+    engine = Engine(1 << 30, "waterwave")
+
+    class Hold:  # the settled job's second iteration stops between forward and backward
+        def __init__(self):
+            self.calls, self.holding, self.released = 0, threading.Event(), threading.Event()
+
+        def wait(self):
+            self.calls += 1
+            if self.calls == 2:
+                self.holding.set()
+                self.released.wait(60)
+
+    class Done:  # the newcomer's forward is over
+        def __init__(self):
+            self.forward = threading.Event()
+
+        def wait(self):
+            self.forward.set()
+
+    held, done, results = Hold(), Done(), {}
+    first = threading.Thread(target=lambda: results.setdefault("a", train(engine, "a", 64, steps=3, hold=held)))
+    first.start()
+    assert held.holding.wait(60)
+    second = threading.Thread(target=lambda: results.setdefault("b", train(engine, "b", 64, steps=1, hold=done)))
+    second.start()
+    try:
+        beside = done.forward.wait(30)  # bounded: the old rule would wait for a's backward
+        a_held = engine.scheduler.jobs["a"].held
+    finally:
+        held.released.set()
+        first.join(60)
+        second.join(60)
+    assert beside and a_held > 0
+    assert all(isinstance(r, list) for r in results.values()), results
+    assert engine.job_report("b")["nodegroups"]  # measured all the same
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_nodegroups_option_sets_the_number_of_groups(groups):
     engine = Engine(None, "waterwave", nodegroups=groups)

@@ -318,11 +318,36 @@ def test_a_newcomer_alike_a_settled_job_waits_for_its_claim_before_its_first_pas
     sched.end_profile("a", 600)
     sched.enqueue("b")
     assert sched.try_start("b"), "100 + 100 + 600 <= 1000: b's model fits beside a's iteration"
-    assert sched.alike_claim("b", "mlp-64") == 600
     assert sched.alike_claim("b", "cnn") == 0
+    assert sched.alike_claim("b", "mlp-64") == 600
     assert sched.request_persistent("b", 100) is Decision.GRANT
     assert sched.request("a", 600, pass_start=True) is Decision.GRANT
     # 100 + 100 + 600 + 600 > 1000: b's first pass waits for a's backward.
-    assert sched.request("b", 600, pass_start=True, profile=True) is Decision.WAIT
+    assert sched.request("b", 600, pass_start=True) is Decision.WAIT
     sched.release("a", 0)
-    assert sched.request("b", 600, pass_start=True, profile=True) is Decision.GRANT
+    assert sched.request("b", 600, pass_start=True) is Decision.GRANT
+
+
+def test_a_newcomer_alike_a_settled_job_starts_its_first_pass_beside_the_others():
+    """A newcomer of a known kind is planned with the settled job's claim, so its
+    first pass need not wait for the others' passes to drain (one of unknown size
+    does); the others' new passes do not wait for it either, and what it measures
+    can only raise the claim it was lent."""
+    sched = Scheduler(2000)
+    sched.enqueue("a")
+    assert sched.try_start("a") and sched.alike_claim("a", "mlp") == 0
+    assert sched.request_persistent("a", 100) is Decision.GRANT
+    assert sched.request("a", 600, pass_start=True, profile=True) is Decision.GRANT
+    sched.release("a", 0)
+    sched.end_profile("a", 600)
+    sched.enqueue("b")
+    assert sched.try_start("b")
+    assert sched.request_persistent("b", 100) is Decision.GRANT
+    assert sched.request("a", 600, pass_start=True) is Decision.GRANT  # a is mid-pass
+    assert sched.request("b", 600, pass_start=True, profile=True) is Decision.WAIT  # unknown: alone
+    assert sched.alike_claim("b", "mlp") == 600
+    assert sched.request("b", 600, pass_start=True) is Decision.GRANT  # beside a's pass
+    sched.release("a", 0)
+    assert sched.request("a", 600, pass_start=True) is Decision.GRANT  # a's next pass goes on
+    sched.end_profile("b", 500)
+    assert sched.jobs["b"].claim == 600

@@ -655,7 +655,9 @@ class Engine:
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
         with self._cond:
             self._persistent_admission(job)
-            self._gate(job, 0, target=self._profile_guess(job, current), pass_start=True, profile=True)
+            # A settled job of its kind lends its claim: the pass is planned with it.
+            guess = self._profile_guess(job, current)
+            self._gate(job, 0, target=guess, pass_start=True, profile=not guess)
         job.profiles += 1
         model = current.model
         current.nodes.append(Node(""))
@@ -669,8 +671,7 @@ class Engine:
         if state is None or self.capacity is None:
             return 0
         params = sum(_nbytes(p) for model in job.models for p in model.module.parameters())
-        guess = self.scheduler.alike_claim(job.name, (params, current.signature))
-        return min(guess, max(0, self.capacity - state.persistent))  # a guess never makes a job "too large"
+        return self.scheduler.alike_claim(job.name, (params, current.signature))
 
     def _profile_node(self, job: _Job, current: _Pass, name: str) -> None:
         if job.current is not current or self._job() is not job:

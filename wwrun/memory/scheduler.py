@@ -25,9 +25,10 @@ iteration, job k needing A_k - H_k more and handing back H_k when done (P_k stay
 From a safe state the first job of that order can always proceed, so the jobs never
 all wait at once: no deadlock.
 
-Jobs being profiled (their first iteration, or a new input shape) have no claim yet.
-They start a pass only when no other job holds activations, and other jobs' new
-passes wait for them; running alone they come first in the safe order (they will
+Jobs being profiled (their first iteration, or a new input shape) have no claim yet,
+unless a settled job of their kind lends them its own (`alike_claim`): then they are
+planned like any other. Otherwise they start a pass only when no other job holds
+activations, and other jobs' new passes wait for them; running alone they come first in the safe order (they will
 hand their bytes back), else last (keeping them). These ordering preferences give
 way whenever they alone would leave every job waiting. If every job waits and no
 request is even safe (only possible when a profile or a newcomer's model reveals a
@@ -43,8 +44,8 @@ builds its model before wwrun sees it, and the room must not go meanwhile. Admit
 beside a job whose optimizer state is still to come would let every job's model exist
 at once with no room left for any pass. A newcomer's activations are not guessed at
 admission (a small job is not kept out by a large one): its first pass asks for the
-claim of a settled job of its kind (`alike_claim`) or, of a new kind, for what it
-measures module by module, and waits until that fits.
+claim of a settled job of its kind (`alike_claim`, as any pass start would) or, of a
+new kind, for what it measures module by module, and waits until that fits.
 
 Waiting requests are served in queue order: requests in the middle of a pass first
 (finishing a pass frees memory sooner), then pass starts by priority and then FIFO
@@ -162,9 +163,18 @@ class Scheduler:
 
     def alike_claim(self, name: str, kind: object) -> int:
         """The claim of a settled job of the same `kind` (the engine's: its parameters'
-        bytes and its input signature), the guess for a newcomer's first pass; 0 if none."""
-        self.jobs[name].kind = kind
-        return min((c for _, c, k in self._sizes.values() if k == kind), default=0)
+        bytes and its input signature), the guess for a newcomer's first pass; 0 if none.
+        A job with no claim yet is planned with it: its first pass is then no profile
+        to the scheduler (the engine measures it all the same) and starts beside the
+        others' passes whenever the Banker's rule allows, as one of a sweep's would."""
+        job = self.jobs[name]
+        job.kind = kind
+        guess = min((c for _, c, k in self._sizes.values() if k == kind), default=0)
+        if self.capacity is not None:
+            guess = min(guess, max(0, self.capacity - job.persistent))  # never "too large" by a guess
+        if guess and job.claim is None:
+            job.claim = guess
+        return guess
 
     def finish(self, name: str) -> None:
         """The job ended (success or failure): everything it held is free."""
