@@ -28,9 +28,10 @@ all wait at once: no deadlock.
 Jobs being profiled (their first iteration, or a new input shape) have no claim yet,
 unless a settled job of their kind lends them its own (`alike_claim`): then they are
 planned like any other. Otherwise they start a pass only when no other job holds
-activations, and other jobs' new passes wait for them; running alone they come first in the safe order (they will
-hand their bytes back), else last (keeping them). These ordering preferences give
-way whenever they alone would leave every job waiting. If every job waits and no
+activations, and other jobs' new passes wait for them; running alone they come
+first in the safe order (they will hand their bytes back), else last (keeping
+them). These ordering preferences give way whenever they alone would leave every
+job waiting. If every job waits and no
 request is even safe (only possible when a profile or a newcomer's model reveals a
 job that does not fit beside the others), `stuck_victim` names the job to fail.
 
