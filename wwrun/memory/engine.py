@@ -264,7 +264,13 @@ class Engine:
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._offload_options = (offload, offload_limit)
         self._offloader = None  # made at first need (Memory makes it at start-up)
-        self._cond = forksafe.Condition(forksafe.RLock())
+        # Critical sections take the lock itself, not the condition: Condition's
+        # __enter__/__exit__ are Python code, and a job's Ctrl-C (an asynchronous
+        # exception, often landing in a saved tensor's finalizer here) raised at the
+        # start of __exit__ left the lock held for good, and every other job and the
+        # launcher waited on it. The lock's own are C: nothing lands between them.
+        self._lock = forksafe.RLock()
+        self._cond = forksafe.Condition(self._lock)
         self._jobs: dict[str, _Job] = {}
         self._total = 0
         self._sentinels = 0  # group sentinels made (their keys)
@@ -292,7 +298,7 @@ class Engine:
         no live job changed: `capacity_source`)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        with self._cond:
+        with self._lock:
             self.capacity = capacity_bytes
             if self.gating:
                 self.scheduler.capacity = self._plannable(capacity_bytes)
@@ -310,7 +316,7 @@ class Engine:
         fit beside the running ones (FIFO or LAS order, then priority)."""
         self._local.job = name
         self._local.depth = 0
-        with self._cond:
+        with self._lock:
             earlier = self._jobs.get(name)
             if earlier is not None and earlier.ended is None:  # an ended job may start again (a retry)
                 raise ValueError(f"job {name!r} was already started")
@@ -338,7 +344,7 @@ class Engine:
     def job_finished(self, name: str) -> None:
         """In the job's thread after its script ended (also on failure): every byte it
         reserved is handed back and waiting jobs wake."""
-        with self._cond:
+        with self._lock:
             job = self._jobs.get(name)
             if job is None or job.ended is not None:
                 return
@@ -510,14 +516,14 @@ class Engine:
             label = f"{label}{len(job.models)}"
         model = _Model(module, label)
         self._roots[module] = model
-        with self._cond:
+        with self._lock:
             job.models.append(model)
             job.param_keys |= {_storage_key(t) for t in _tensors_of(module) if _nbytes(t)}
         measured, missing_grads = self._measure_persistent(job)
         # Everything the script made before its first pass (its data too) stays:
         # with the allocator's figure, the newcomer's bytes are known before it grows.
         live = job.meter(False)[0] if job.meter is not None else measured
-        with self._cond:  # requested (and waited for) before the model's first pass
+        with self._lock:  # requested (and waited for) before the model's first pass
             job.persistent_reserved = max(job.persistent_reserved, max(measured, live) + self._pages(missing_grads))
         return model
 
@@ -532,7 +538,7 @@ class Engine:
             # evaluation) is sized: nothing retained, so newcomers need not wait for it.
             state = self.scheduler.jobs.get(job.name)
             if state is not None and state.claim is None and not state.profiling and not state.pending_profile:
-                with self._cond:
+                with self._lock:
                     self.scheduler.end_profile(job.name, 0)
                     self._cond.notify_all()
             elif state is not None and job.meter is not None and job.evaluating is None and model in job.models:
@@ -543,7 +549,7 @@ class Engine:
         if model not in job.models:
             return
         if job.passes and job.name in self.scheduler.jobs and not self.scheduler.jobs[job.name].settled:
-            with self._cond:  # a second pass: whatever its first iteration created exists
+            with self._lock:  # a second pass: whatever its first iteration created exists
                 self.scheduler.settle(job.name)
                 self._cond.notify_all()
         signature = _signature(args, kwargs)
@@ -589,7 +595,7 @@ class Engine:
     def _end_evaluation(self, job: _Job) -> None:
         model, signature, baseline, kept = job.evaluating
         job.evaluating = None
-        with self._cond:
+        with self._lock:
             if baseline is not None:
                 now, peak = job.meter(True)
                 job.iter_peak = max(job.iter_peak, peak)
@@ -619,7 +625,7 @@ class Engine:
             current.saved_hooks.__exit__(None, None, None)
         self._pop_sentinel(current)
         current.node_names = {}
-        with self._cond:
+        with self._lock:
             if current.plan is None and not failed:
                 self._finish_profile(job, current)
                 if offload is not None and offload.job.provisional:
@@ -653,7 +659,7 @@ class Engine:
             self._report_held(job)
 
     def _begin_profile(self, job: _Job, current: _Pass) -> None:
-        with self._cond:
+        with self._lock:
             self._persistent_admission(job)
             # A settled job of its kind lends its claim: the pass is planned with it.
             guess = self._profile_guess(job, current)
@@ -736,7 +742,7 @@ class Engine:
         optimizer state exists (the first step) or, without one, at its next pass."""
         if job.profile_claim is None:
             return
-        with self._cond:
+        with self._lock:
             self._settle_offload(job)
             claim, job.profile_claim = job.profile_claim, None
             if job.meter is not None:
@@ -774,7 +780,7 @@ class Engine:
         activation bytes (at least what it holds already)."""
         if not self.gating:
             return
-        with self._cond:
+        with self._lock:
             if pass_start and not profile:
                 job.reserved = 0
             want = self._offload_cap(job, max(job.retained, job.reserved, target))
@@ -928,7 +934,7 @@ class Engine:
         if (current.plan is None and job.meter is not None and job.baseline is not None
                 and current.signature not in current.model.fits_unstashed):
             watch = lambda: job.meter(False)[0] - job.baseline  # noqa: E731
-        with self._cond:
+        with self._lock:
             active, budget = self.scheduler.active(), self.scheduler.capacity
             parkable = (current.plan is not None and budget is not None and len(active) > 1
                         and sum(j.footprint for j in active) > budget)
@@ -955,11 +961,11 @@ class Engine:
         """Parks the job's saved tensors on the host (its thread, at a gate): the copies
         run with the lock released, then the scheduler hears what the job still holds."""
         offload = job.current.offload
-        self._cond.release()
+        self._lock.release()
         try:
             parked = offload.park()
         finally:
-            self._cond.acquire()
+            self._lock.acquire()
         job.parked += parked
         self._total -= parked  # the saved tensors' count (without a meter) is the device's
         job.reserved = max(0, job.reserved - parked)
@@ -1014,7 +1020,7 @@ class Engine:
         stored = tensor if offload is None else offload.keep(tensor)
         if stored is not tensor:  # offloaded, its address may serve another storage: keyed by its handle
             key = ("offloaded", id(stored))
-        with self._cond:
+        with self._lock:
             count = job.saved.get(key, 0)
             job.saved[key] = count + 1
             if count == 0:
@@ -1045,7 +1051,7 @@ class Engine:
             if current.sentinel_hooks is None or _storage_key(tensor) in job.param_keys or not _nbytes(tensor):
                 return tensor
             self._pop_sentinel(current)
-            with self._cond:
+            with self._lock:
                 self._sentinels += 1
                 key = -self._sentinels  # storages have positive keys
                 job.saved[key] = 1
@@ -1063,7 +1069,7 @@ class Engine:
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
     def _unsave(self, job: _Job, key: int, nbytes: int) -> None:
-        with self._cond:
+        with self._lock:
             count = job.saved.get(key, 0) - 1
             if count > 0:
                 job.saved[key] = count
@@ -1132,7 +1138,7 @@ class Engine:
             if p.requires_grad and not optimizer.state.get(p)
         )
         self._measure_persistent(job)
-        with self._cond:
+        with self._lock:
             if job.meter is not None:  # what it holds now, in pages: backward is over
                 job.persistent_peak = max(job.persistent_peak, self._read(job, restart=False))
             guess = self._pages(2 * stateless)
@@ -1157,7 +1163,7 @@ class Engine:
                 job.step_need = max(job.step_need, self._above(job, step_peak, after_step))
                 job.claim = max(job.claim, self._above(job, job.iter_peak, after_step))
             if job.current is None and job.reserved:
-                with self._cond:  # the step is over: until its next pass it needs nothing more
+                with self._lock:  # the step is over: until its next pass it needs nothing more
                     job.reserved = 0
                     self._report_held(job)
         self._end_profile(job)
@@ -1165,7 +1171,7 @@ class Engine:
         # periodic look is enough (a full walk costs ~0.2 ms on a small MLP).
         if job.iterations <= 2 or job.iterations % PERSISTENT_EVERY == 0:
             self._measure_persistent(job)
-            with self._cond:
+            with self._lock:
                 if job.meter is not None:
                     # What it holds between steps, gradients included (as persistent:
                     # zero_grad may free them, but backward makes them again).
@@ -1178,7 +1184,7 @@ class Engine:
                     self.scheduler.settle(job.name)
                     self._cond.notify_all()  # a queued job may fit now
         if job.discovering:
-            with self._cond:
+            with self._lock:
                 job.discovering = False
                 self._install_global_hooks()
 
@@ -1203,7 +1209,7 @@ class Engine:
                     if isinstance(value, torch.Tensor) and _nbytes(value):
                         seen[_storage_key(value)] = _nbytes(value)
         measured = sum(seen.values())
-        with self._cond:
+        with self._lock:
             self._set_persistent(job, measured)
             job.persistent_peak = max(job.persistent_peak, measured)
         return measured, missing_grads
@@ -1238,7 +1244,7 @@ class Engine:
         if job.meter is None or job.retained:
             return
         now = self._read(job, restart=True)
-        with self._cond:
+        with self._lock:
             if job.baseline is not None:
                 job.claim = max(job.claim, self._above(job, job.iter_peak, now))
                 if job.name in self.scheduler.jobs and self.scheduler.jobs[job.name].claim is not None:
