@@ -690,8 +690,9 @@ def test_a_ctrl_c_landing_as_the_engine_leaves_its_lock_does_not_keep_the_lock()
     engine = Engine(1 << 30, "waterwave")
     landed, errors = [], []
 
-    def interrupt_on_exit(frame, event, arg):
-        if event == "call" and frame.f_code is threading.Condition.__exit__.__code__ and not landed:
+    def interrupt_on_exit(frame, event, arg):  # as the engine's condition is left, if it is
+        if event == "call" and frame.f_code is threading.Condition.__exit__.__code__ \
+                and frame.f_locals.get("self") is engine._cond and not landed:
             landed.append(True)
             raise KeyboardInterrupt
         return None

@@ -304,6 +304,13 @@ class Engine:
                 self.scheduler.capacity = self._plannable(capacity_bytes)
             self._cond.notify_all()  # more room, or a waiter that now never fits: look again
 
+    @property
+    def _budget(self) -> int | None:
+        """The capacity the scheduler plans in (whole pages): what a bound on a job's
+        need is checked against, so that a bound the engine sets never makes the job
+        "too large" to the scheduler by the part of a page it cannot plan."""
+        return self._plannable(self.capacity)
+
     def _plannable(self, capacity_bytes: int | None) -> int | None:
         """What the scheduler may plan for: under the allocator, whole pages (the
         quickstart under 23.7 MiB planned 1.7 MiB no request could have)."""
@@ -695,7 +702,7 @@ class Engine:
         target = max(peak, held + current.profile_step)
         state = self.scheduler.jobs.get(job.name)
         if self.capacity is not None and state is not None:
-            target = min(target, max(held, self.capacity - state.persistent))  # never "too large" by the margin
+            target = min(target, max(held, self._budget - state.persistent))  # never "too large" by the margin
         self._gate(job, 0, target=target, profile=True)
 
     def _profile_output(self, current: _Pass, output) -> None:
@@ -895,7 +902,7 @@ class Engine:
         """The activation bytes the job can ever have: the budget less what stays."""
         state = self.scheduler.jobs.get(job.name)
         persistent = max(job.persistent_reserved, state.persistent if state else 0, job.baseline or 0)
-        return self.capacity - persistent
+        return self._budget - persistent
 
     def _stashing(self, job: _Job) -> bool:
         offloader = self._offloader
@@ -1146,7 +1153,7 @@ class Engine:
             if self.capacity is not None and state is not None:
                 # A guess must never make a job "too large": keep it within the room
                 # the job would have alone.
-                guess = min(guess, max(0, self.capacity - job.persistent_peak - (state.claim or 0)))
+                guess = min(guess, max(0, self._budget - job.persistent_peak - (state.claim or 0)))
             job.persistent_reserved = job.persistent_peak + guess
             self._persistent_admission(job)
 
