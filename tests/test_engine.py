@@ -682,33 +682,27 @@ def test_a_newcomer_alike_a_settled_job_runs_its_first_pass_beside_that_job_s_pa
 def test_a_ctrl_c_landing_as_the_engine_leaves_its_lock_does_not_keep_the_lock():
     """A job's Ctrl-C is an asynchronous exception: it lands at the start of the next
     Python function the job's thread enters, often the engine's bookkeeping in a saved
-    tensor's finalizer. Landing in `Condition.__exit__` (Python code) it left the
-    engine's lock held for good: every other job, and the launcher ending the run,
-    waited on it forever."""
-    import sys
-
+    tensor's finalizer. Landing in `Condition.__exit__` (Python code, before it lets
+    go of the lock) it left the engine's lock held for good: every other job, and the
+    launcher ending the run, waited on it forever."""
     engine = Engine(1 << 30, "waterwave")
-    landed, errors = [], []
 
-    def interrupt_on_exit(frame, event, arg):  # as the engine's condition is left, if it is
-        if event == "call" and frame.f_code is threading.Condition.__exit__.__code__ \
-                and frame.f_locals.get("self") is engine._cond and not landed:
-            landed.append(True)
-            raise KeyboardInterrupt
-        return None
+    class Interrupted(threading.Condition):
+        def __exit__(self, *exc_info):
+            raise KeyboardInterrupt  # as one landing first thing in __exit__
+
+    engine._cond = Interrupted(engine._cond._lock)  # the same lock, left as the interrupt leaves it
+    errors, over, checked = [], threading.Event(), threading.Event()
 
     def interrupted():
-        sys.settrace(interrupt_on_exit)
         try:
             engine.job_started("a")
         except KeyboardInterrupt as err:
             errors.append(err)
         finally:
-            sys.settrace(None)
             over.set()
         checked.wait(60)  # the job's thread lives on (a dead one's id could own the lock again)
 
-    over, checked = threading.Event(), threading.Event()
     first = threading.Thread(target=interrupted)
     first.start()
     ends = threading.Thread(target=engine.job_finished, args=("a",), daemon=True)  # as the launcher
@@ -719,7 +713,7 @@ def test_a_ctrl_c_landing_as_the_engine_leaves_its_lock_does_not_keep_the_lock()
     finally:
         checked.set()
         first.join(60)
-    assert not ends.is_alive(), (landed, errors)
+    assert not ends.is_alive(), errors
 
 
 @pytest.mark.parametrize("groups", [1, 2])
