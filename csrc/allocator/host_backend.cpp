@@ -193,11 +193,9 @@ void HostBackend::page_unmap(void* address, std::size_t bytes) {
   }
   for (std::uintptr_t at = start; at < start + bytes; at += kHostPageBytes) {
     auto found = mapped_.find(at);
-    if (found != mapped_.end() && shelve(at, found->second)) {
-      mapped_.erase(found);
-      continue;
+    if (found == mapped_.end() || !shelve(at, found->second)) {
+      reserve(reinterpret_cast<void*>(at), kHostPageBytes, "mmap PROT_NONE over pages");
     }
-    reserve(reinterpret_cast<void*>(at), kHostPageBytes, "mmap PROT_NONE over pages");
     if (found != mapped_.end()) mapped_.erase(found);
   }
 }

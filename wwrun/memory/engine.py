@@ -259,7 +259,7 @@ class Engine:
         self.device = device
         self._meter_of = meter  # the allocator's: then the budget is pages
         self.page_bytes = page_bytes if meter is not None else 1
-        self.scheduler = Scheduler(self._plannable(capacity_bytes) if self.gating else None, queue=queue)
+        self.scheduler = Scheduler(self._budget if self.gating else None, queue=queue)
         self._local = threading.local()
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._offload_options = (offload, offload_limit)
@@ -301,22 +301,18 @@ class Engine:
         with self._lock:
             self.capacity = capacity_bytes
             if self.gating:
-                self.scheduler.capacity = self._plannable(capacity_bytes)
+                self.scheduler.capacity = self._budget
             self._cond.notify_all()  # more room, or a waiter that now never fits: look again
 
     @property
     def _budget(self) -> int | None:
-        """The capacity the scheduler plans in (whole pages): what a bound on a job's
-        need is checked against, so that a bound the engine sets never makes the job
-        "too large" to the scheduler by the part of a page it cannot plan."""
-        return self._plannable(self.capacity)
-
-    def _plannable(self, capacity_bytes: int | None) -> int | None:
-        """What the scheduler may plan for: under the allocator, whole pages (the
-        quickstart under 23.7 MiB planned 1.7 MiB no request could have)."""
-        if capacity_bytes is None:
+        """The capacity the scheduler plans in: under the allocator, whole pages (the
+        quickstart under 23.7 MiB planned 1.7 MiB no request could have). A bound the
+        engine sets on a job's need is checked against it too, so that it never makes
+        the job "too large" by the part of a page the scheduler cannot plan."""
+        if self.capacity is None:
             return None
-        return max(self.page_bytes, capacity_bytes - capacity_bytes % self.page_bytes)
+        return max(self.page_bytes, self.capacity - self.capacity % self.page_bytes)
 
     def job_started(self, name: str, priority: int = 0) -> None:
         """In the job's thread, before its script runs; waits while the job does not
