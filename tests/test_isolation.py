@@ -352,6 +352,22 @@ def test_an_interrupt_not_raised_before_the_job_ended_is_dropped(tmp_path):
     assert outcome == ["cleaned up"]
 
 
+def test_a_trace_function_set_after_another_job_ended_runs(tmp_path):
+    """Ending a job drops its undelivered interrupt; on Python 3.11 that left the
+    interpreter's "asynchronous exception pending" flag up for good, and the next
+    thread to set a trace function (a debugger, coverage) spun at its next call."""
+    script = str(SCRIPTS / "traced.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--policy", "sequential", "--log-dir", str(tmp_path / "logs"),
+         "--report", str(tmp_path / "report.json"), script, ":", script],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    logs = Path(json.loads((tmp_path / "report.json").read_text())["run"]["log_dir"])
+    assert [(path / "stdout.log").read_text() for path in sorted(logs.iterdir()) if path.is_dir()] \
+        == ["traced calls=3 total=6\n"] * 2
+
+
 def _waiting_in(thread, function: str) -> bool:
     frame = sys._current_frames().get(thread.ident)
     return frame is not None and frame.f_code.co_name == function

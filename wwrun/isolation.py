@@ -293,7 +293,7 @@ def close_interrupts(job: JobContext) -> None:
     with job.interrupt_lock:
         job.interrupts_open = False
         if job.thread_id is not None:
-            _set_async_exc(job.thread_id, None)
+            _drop_async_exc(job.thread_id)
 
 
 def _interrupt_outside_locks(thread_id: int, exc, job: JobContext | None = None, force: bool = False) -> bool | None:
@@ -307,7 +307,7 @@ def _interrupt_outside_locks(thread_id: int, exc, job: JobContext | None = None,
         if _set_async_exc(thread_id, exc) == 0:
             return False
         if not force and _in_lock_code(thread_id):  # it got there between the look and the set: take it back
-            _set_async_exc(thread_id, None)
+            _drop_async_exc(thread_id)
             return None
         return True
 
@@ -317,6 +317,36 @@ def _set_async_exc(thread_id: int, exc) -> int:
     number of threads it found."""
     return ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), None if exc is None else ctypes.py_object(exc))
+
+
+class _Dropped(BaseException):
+    """Raised in the dropping thread only, to lower Python's flag (`_drop_async_exc`)."""
+
+
+def _drop_async_exc(thread_id: int) -> None:
+    """Drop the thread's pending asynchronous exception, if any.
+
+    Python 3.11 keeps one interpreter-wide "an asynchronous exception is pending"
+    flag, raised by every `PyThreadState_SetAsyncExc` (dropping too) and lowered only
+    by a thread that raises one. Left up, it sent every thread through the eval
+    loop's pending-work check at each call, and a thread that then set a trace
+    function (a debugger, coverage, the redelivery below) spun at its next call
+    forever. So the dropping thread raises one in itself and catches it. Not in a
+    job's thread other than the one dropped: that could drop the job's own.
+    """
+    _set_async_exc(thread_id, None)
+    me = threading.get_ident()
+    if me != thread_id and current_job() is not None:
+        return
+    try:
+        _set_async_exc(me, _Dropped)  # replaces our own pending one: none, or the one dropped
+        _raised_here()
+    except _Dropped:
+        pass
+
+
+def _raised_here() -> None:
+    """A Python call: the eval loop looks for pending work as it enters one."""
 
 
 def _interrupt_when_out(thread_id: int, exc, job: JobContext | None) -> None:
