@@ -13,7 +13,9 @@ a warm launcher and a fresh process, stay out of the comparison.
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -26,8 +28,9 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (lazy inits, allocator warm-up)")
-parser.add_argument("--ready-go", action="store_true",
-                    help="after the warm-up, print 'ready' and wait for a line on stdin (a common start)")
+parser.add_argument("--start-together", metavar="DIR:N",
+                    help="after the warm-up, leave a file in DIR and wait until N jobs have: a common "
+                         "start of the timed loops, for processes and for threads of one wwrun run alike")
 args = parser.parse_args()
 
 INPUTS, CLASSES = 32, 10
@@ -56,9 +59,14 @@ def step():
 
 for _ in range(args.warmup):
     step()
-if args.ready_go:
-    print("ready", flush=True)
-    sys.stdin.readline()
+if args.start_together:
+    folder, parties = args.start_together.rsplit(":", 1)
+    os.close(tempfile.mkstemp(dir=folder)[0])
+    deadline = time.monotonic() + 300
+    while len(os.listdir(folder)) < int(parties):
+        if time.monotonic() > deadline:
+            sys.exit(f"--start-together: {len(os.listdir(folder))} of {parties} jobs ready after 300 s")
+        time.sleep(0.005)
 start = time.time()
 for _ in range(args.steps):
     loss = step()

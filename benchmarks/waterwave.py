@@ -13,8 +13,10 @@ intra-op thread (OMP_NUM_THREADS=1, as a small job leaves most of a GPU idle), a
 times the jobs' training loops from the script's own timestamps (first loop start to
 last loop end) after two untimed warm-up steps, leaving out interpreter start-up,
 imports and first-step costs, which a fresh process pays and a thread of a warm
-launcher does not; side-by-side processes start their loops together. Medians over
-interleaved repeats.
+launcher does not. Jobs run side by side (processes, or threads of one launch) start
+their loops together once all have warmed up (train_job.py --start-together), so that
+no variant's timed window holds another job's warm-up. Medians over interleaved
+repeats.
 
 (a) largest batch per job with 2 and 3 jobs sharing a budget, as a fraction of the
     job's solo maximum: waterwave, and spatial sharing (every job's whole peak must
@@ -231,6 +233,13 @@ def loop_span(stdout: str) -> tuple[float, float]:
     return figures["start"], figures["end"]
 
 
+def started_together(jobs: list[list[str]], folder: str) -> list[list[str]]:
+    """The jobs' arguments, with a common start of their timed loops once every one
+    has taken its warm-up steps (a barrier of files in a new folder under `folder`)."""
+    barrier = tempfile.mkdtemp(prefix="start-", dir=folder)
+    return [[*args, "--start-together", f"{barrier}:{len(jobs)}"] for args in jobs]
+
+
 def makespan(spans: list[tuple[float, float]]) -> float:
     """Seconds from the first job's loop start to the last job's loop end."""
     return max(end for _, end in spans) - min(start for start, _ in spans)
@@ -257,9 +266,12 @@ def drop_idle_reserve() -> int:
 def launched(jobs: list[list[str]], policy: str, memory_limit: int | None = None):
     """Run the jobs through wwrun's launcher, as `wwrun --policy P --memory-limit M
     train_job.py ARGS : ...` would; (the jobs' loop spans, RunResult, the run's
-    reserved peak above what the allocator held at its start)."""
+    reserved peak above what the allocator held at its start). Jobs side by side start
+    their loops together; one after another (`sequential`), each when it is its turn."""
     baseline = drop_idle_reserve()
     log_dir = tempfile.mkdtemp(prefix="wwrun-bench-")
+    if policy != "sequential":
+        jobs = started_together(jobs, log_dir)
     try:
         result = wwrun.launch(wwrun.LaunchConfig(
             jobs=[wwrun.JobSpec(name=f"job{i}", script=JOB_SCRIPT, args=args) for i, args in enumerate(jobs)],
@@ -285,7 +297,7 @@ def torch_allocator_threads(jobs: list[list[str]]) -> tuple[float, int]:
         report = os.path.join(log_dir, "report.json")
         argv = [sys.executable, "-m", "wwrun", "--policy", "concurrent", "--device", DEVICE, "--quiet",
                 "--log-dir", log_dir, "--report", report]
-        for i, args in enumerate(jobs):
+        for i, args in enumerate(started_together(jobs, log_dir)):
             argv += [":"] * (i > 0) + [JOB_SCRIPT, *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTORCH_ALLOC_CONF=f"backend:{TORCH_BACKEND}",
                    PYTHONPATH=os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))))
@@ -310,18 +322,15 @@ def back_to_back(spans: list[tuple[float, float]]) -> float:
 def processes(jobs: list[list[str]]) -> float:
     """The jobs as separate `python train_job.py` processes side by side (spatial
     sharing); the makespan of their training loops, which start together once every
-    process has imported torch and taken its warm-up steps (--ready-go)."""
+    process has imported torch and taken its warm-up steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, JOB_SCRIPT, *args, "--ready-go"], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for args in jobs]
-    for p in procs:
-        if p.stdout.readline().strip() != "ready":
-            raise RuntimeError("a job process failed before its loop")
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    outputs = [p.communicate()[0] for p in procs]
+    folder = tempfile.mkdtemp(prefix="wwrun-bench-")
+    try:
+        procs = [subprocess.Popen([sys.executable, JOB_SCRIPT, *args], env=env, stdout=subprocess.PIPE, text=True)
+                 for args in started_together(jobs, folder)]
+        outputs = [p.communicate()[0] for p in procs]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError("a job process failed")
     return makespan([loop_span(out) for out in outputs])
