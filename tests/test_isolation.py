@@ -368,6 +368,62 @@ def test_a_trace_function_set_after_another_job_ended_runs(tmp_path):
         == ["traced calls=3 total=6\n"] * 2
 
 
+PENDING_ELSEWHERE = """
+import sys, threading, time
+from wwrun import isolation
+
+outcome, release = [], threading.Event()
+
+def blocked():  # its Ctrl-C is set while it waits in C, where none reaches it
+    try:
+        release.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pass
+        outcome.append("B never interrupted")
+    except KeyboardInterrupt:
+        outcome.append("B interrupted")
+
+def step():
+    return 1
+
+def finalizer(frame):  # where the Ctrl-C landed: it is raised again in `frame`
+    isolation._raise_at_next_line(frame, KeyboardInterrupt)
+    step()  # the finalizer goes on, and calls
+
+def redelivered():
+    try:
+        finalizer(sys._getframe())
+        outcome.append("A not interrupted")
+    except KeyboardInterrupt:
+        outcome.append("A interrupted")
+
+b = threading.Thread(target=blocked, daemon=True)
+b.start()
+while sys._current_frames()[b.ident].f_code.co_name != "wait":
+    time.sleep(0.01)
+isolation._set_async_exc(b.ident, KeyboardInterrupt)
+a = threading.Thread(target=redelivered, daemon=True)
+a.start()
+a.join(30)
+release.set()
+while b.is_alive():  # this thread's turns at the GIL are where B looks for its own
+    time.sleep(0.01)
+print(outcome)
+"""
+
+
+def test_an_interrupt_raised_again_is_raised_while_another_job_s_is_pending():
+    """A Ctrl-C that landed in a finalizer is raised again at the job's next line, by
+    a trace function; while another job's Ctrl-C was still pending (that job waiting
+    in C), Python 3.11 kept the trace from ever running: the job spun, perhaps with
+    the engine's lock held, and the other waited for the lock. The other job still
+    gets its own Ctrl-C."""
+    done = subprocess.run([sys.executable, "-c", PENDING_ELSEWHERE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['A interrupted', 'B interrupted']"
+
+
 def _waiting_in(thread, function: str) -> bool:
     frame = sys._current_frames().get(thread.ident)
     return frame is not None and frame.f_code.co_name == function

@@ -320,26 +320,34 @@ def _set_async_exc(thread_id: int, exc) -> int:
 
 
 class _Dropped(BaseException):
-    """Raised in the dropping thread only, to lower Python's flag (`_drop_async_exc`)."""
+    """Raised in a thread by itself only, to lower Python's flag (`_lower_async_flag`)."""
 
 
 def _drop_async_exc(thread_id: int) -> None:
-    """Drop the thread's pending asynchronous exception, if any.
-
-    Python 3.11 keeps one interpreter-wide "an asynchronous exception is pending"
-    flag, raised by every `PyThreadState_SetAsyncExc` (dropping too) and lowered only
-    by a thread that raises one. Left up, it sent every thread through the eval
-    loop's pending-work check at each call, and a thread that then set a trace
-    function (a debugger, coverage, the redelivery below) spun at its next call
-    forever. So the dropping thread raises one in itself and catches it. Not in a
-    job's thread other than the one dropped: that could drop the job's own.
-    """
+    """Drop the thread's pending asynchronous exception, if any."""
     _set_async_exc(thread_id, None)
     me = threading.get_ident()
-    if me != thread_id and current_job() is not None:
+    if me == thread_id or current_job() is None:  # not a job's thread: it has none of its own to lose
+        _lower_async_flag()
+
+
+# Before 3.12 Python keeps one interpreter-wide "an asynchronous exception is
+# pending" flag, raised by every `PyThreadState_SetAsyncExc` (dropping one too) and
+# lowered only by a thread that raises one, though each thread looks for its own at
+# every switch of the GIL. Left up, a thread that sets a trace function (a debugger,
+# coverage, `_raise_at_next_line` below) spins at its next call until it comes down:
+# for good after a drop, and while another job waits in C with its Ctrl-C pending,
+# perhaps for the lock the spinning thread holds. (From 3.12 any thread lowers it.)
+_FLAG_STAYS_UP = sys.version_info < (3, 12)
+
+
+def _lower_async_flag() -> None:
+    """Lower Python's flag: the calling thread raises one in itself and catches it
+    (replacing its own pending one, if any)."""
+    if not _FLAG_STAYS_UP:
         return
     try:
-        _set_async_exc(me, _Dropped)  # replaces our own pending one: none, or the one dropped
+        _set_async_exc(threading.get_ident(), _Dropped)
         _raised_here()
     except _Dropped:
         pass
@@ -421,6 +429,7 @@ def _raise_at_next_line(frame, exc_type: type[BaseException]) -> None:
 
     frame.f_trace = stop_here
     frame.f_trace_lines = True
+    _lower_async_flag()  # the other jobs' Ctrl-Cs, still pending, would keep the trace from running
     sys.settrace(other_frames)
 
 
