@@ -3,13 +3,16 @@
     PYTHONPATH=. python benchmarks/fragmentation.py            # the full grid (long: 2 GiB runs)
     PYTHONPATH=. python benchmarks/fragmentation.py --quick    # 32 and 128 MiB, one seed
     PYTHONPATH=. python benchmarks/fragmentation.py --loop 20  # the two scenarios of issue 20, 20 runs each
+    PYTHONPATH=. python benchmarks/fragmentation.py --device cuda --quick --out FILE  # on a GPU (`wwrun doctor`)
 
 The grid: limits of 32 MiB, 128 MiB, 512 MiB and 2 GiB; in each mix, 2 to 5 seeded
 MLP jobs (benchmarks/fragmentation_job.py), each fitting alone with a 20% margin
 (its allocated peak at most the limit / 1.2), their summed peaks 1.3 to 3x the limit,
 the mix's largest single tensor 2%, 10% or 25% of the limit. Each mix runs through
-wwrun's launcher (`wwrun --device cpu --memory-limit L job : job ...`) under
-`--policy waterwave`, then under `--policy sequential` for the wall-time ratio.
+wwrun's launcher (`wwrun --device D --memory-limit L job : job ...`) under
+`--policy waterwave`, then under `--policy sequential` for the wall-time ratio. On a
+GPU (`--device cuda`) wwrun's allocator holds the budget in the driver's 2 MiB pages
+and the jobs' tensors are on the GPU; the mixes are the same.
 
 Reported: jobs lost (target 0), each classified by its error: `admission` when the
 jobs the engine let in held more than the limit allows (device allocated + the request
@@ -20,6 +23,7 @@ Also allocated / reserved at the run's peak (target >= 0.95) and the waterwave /
 sequential wall time of the runs that lost nothing. Prints the figures, then LAST one
 JSON object on one line; its `allocator` (and each run's) is the one the runs
 recorded, wwrun's (a run on another stops the benchmark, benchmarks/measured.py).
+Exits with 1 when a job was lost.
 
 --loop N runs the quickstart (recipes/quickstart.yaml under 1.15x its largest job's
 allocated peak in a --policy concurrent run) and three copies of a job whose forward
@@ -42,6 +46,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -58,6 +63,7 @@ LIMITS = (32 * MiB, 128 * MiB, 512 * MiB, 2048 * MiB)
 TENSOR_FRACTIONS = (0.02, 0.10, 0.25)
 MARGIN = 1.2  # each job fits alone with this margin
 NARROW = 8  # fragmentation_job.py's narrow width
+DEVICE = "cpu"  # --device
 STEPS = 6
 ESTIMATE_SLACK = 1.15  # job_peak's bound over the measured peaks: 0.86 to 0.98 of it
 
@@ -110,12 +116,12 @@ def grid(limits, fractions, seeds) -> list[tuple[int, float, int]]:
 
 def launch(jobs: list[tuple[str, list[str]]], policy: str, memory_limit: int | None):
     """Run (script, args) jobs through wwrun's launcher in this process, as
-    `wwrun --device cpu --policy P --memory-limit M script args : ...`; the RunResult."""
+    `wwrun --device D --policy P --memory-limit M script args : ...`; the RunResult."""
     log_dir = tempfile.mkdtemp(prefix="wwrun-frag-")
     try:
         result = wwrun.launch(wwrun.LaunchConfig(
             jobs=[wwrun.JobSpec(name=f"job{i}", script=script, args=args) for i, (script, args) in enumerate(jobs)],
-            policy=policy, memory_limit=memory_limit, device="cpu", quiet=True, log_dir=log_dir,
+            policy=policy, memory_limit=memory_limit, device=DEVICE, quiet=True, log_dir=log_dir,
         ), display=QuietDisplay(io.StringIO()))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -148,7 +154,7 @@ def classify(error: str | None, limit: int) -> str | None:
 
 
 def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True) -> dict:
-    jobs = [(JOB_SCRIPT, args) for args in mix(limit, fraction, seed)]
+    jobs = [(JOB_SCRIPT, [*args, "--device", DEVICE]) for args in mix(limit, fraction, seed)]
     result = launch(jobs, "waterwave", limit)
     lost = [classify(job.error, limit) for job in result.jobs if job.state.value != "succeeded"]
     figures = {
@@ -174,7 +180,7 @@ def quickstart_limit() -> int:
 def _launch_recipe(config, policy, limit):
     log_dir = tempfile.mkdtemp(prefix="wwrun-frag-")
     try:
-        config.device, config.policy, config.memory_limit = "cpu", policy, limit
+        config.device, config.policy, config.memory_limit = DEVICE, policy, limit
         config.quiet, config.log_dir = True, log_dir
         result = wwrun.launch(config, display=QuietDisplay(io.StringIO()))
     finally:
@@ -216,22 +222,44 @@ def main() -> None:
     parser.add_argument("--limits", default=None, help="MiB, comma-separated (default: 32,128,512,2048)")
     parser.add_argument("--no-sequential", action="store_true", help="skip the --policy sequential runs")
     parser.add_argument("--loop", type=int, default=0, metavar="N", help="the two scenarios of issue 20, N runs each")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     import torch
 
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        # Before any CUDA work in this process (the device's name below is the first):
+        # the launches find wwrun's allocator installed, not PyTorch's in use.
+        from wwrun.memory import allocator
+
+        allocator.install()
     torch.set_num_threads(1)
-    result: dict = {"torch": torch.__version__, "cpu_cores": os.cpu_count(), "command": " ".join(["python", *sys.argv]),
-                    "load_average_at_start": round(os.getloadavg()[0], 2)}
+    result: dict = {"device": DEVICE, "device_name": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                    "torch": torch.__version__, "cpu_cores": os.cpu_count(),
+                    "command": " ".join(["python", *sys.argv]), "load_average_at_start": round(os.getloadavg()[0], 2)}
     if args.loop:
         result.update(scenario_loop(args.loop))
-        print(json.dumps(result))
-        return
+    else:
+        result.update(grid_figures(args))
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    lost = result.get("jobs_lost", 0) + sum(figures.get("runs_losing_a_job", 0) for figures in result.values()
+                                            if isinstance(figures, dict))
+    if lost:  # a job lost to memory it could have had is a failure, not a figure (`wwrun doctor`'s step fails)
+        sys.exit(f"fragmentation: {lost} lost (jobs in the grid, runs in the loops): see above")
+
+
+def grid_figures(args) -> dict:
+    """The grid's runs, each printed as it ends; their figures."""
     limits = [int(m) * MiB for m in args.limits.split(",")] if args.limits else (LIMITS[:2] if args.quick else LIMITS)
     seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 3))
     # The process's first launch pays its one-time costs (the job script's imports, the
     # first hooks: 1.1 s with no job computing), which made the first cell 0.27x
     # sequential: one untimed job first.
-    launch([(JOB_SCRIPT, mix(limits[0], TENSOR_FRACTIONS[0], 0)[0])], "waterwave", limits[0])
+    launch([(JOB_SCRIPT, [*mix(limits[0], TENSOR_FRACTIONS[0], 0)[0], "--device", DEVICE])], "waterwave", limits[0])
     runs = []
     started = time.perf_counter()
     for limit, fraction, seed in grid(limits, TENSOR_FRACTIONS, seeds):
@@ -246,7 +274,7 @@ def main() -> None:
             print(f"    {error[:300]}")
     kinds = [kind for run in runs for kind, n in run["lost_by"].items() for _ in range(n)]
     timed = [run for run in runs if "sequential_wall_s" in run]
-    result.update({
+    return {
         "allocator": runs[0]["allocator"],  # every run's (launch() checks each)
         "runs": len(runs), "jobs": sum(run["jobs"] for run in runs),
         "jobs_lost": sum(run["lost"] for run in runs), "runs_losing_a_job": sum(bool(run["lost"]) for run in runs),
@@ -257,8 +285,7 @@ def main() -> None:
         if timed else None,
         "elapsed_s": round(time.perf_counter() - started, 1),
         "per_run": [{k: v for k, v in run.items() if k != "errors"} for run in runs],
-    })
-    print(json.dumps(result))
+    }
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--depth", type=int, default=1, help="wide layers")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--device", default="cpu")
 args = parser.parse_args()
 
 NARROW, CLASSES = 8, 4
@@ -30,10 +31,11 @@ model = nn.Sequential(*layers, nn.Linear(NARROW, CLASSES))
 with torch.no_grad():
     for p in model.parameters():
         p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+model.to(args.device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 for step in range(args.steps):
-    x = torch.randn(args.batch, NARROW, generator=generator)
-    y = torch.randint(0, CLASSES, (args.batch,), generator=generator)
+    x = torch.randn(args.batch, NARROW, generator=generator).to(args.device)
+    y = torch.randint(0, CLASSES, (args.batch,), generator=generator).to(args.device)
     loss = nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad()
     loss.backward()

@@ -58,6 +58,19 @@ def test_fragmentation_records_the_allocator_each_run_reported():
     assert figures["allocator"] == "waterwave" and figures["jobs"] >= 2
 
 
+def test_fragmentation_writes_its_figures_with_the_device_to_out(tmp_path):
+    out = tmp_path / "fragmentation.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "fragmentation.py"), "--limits", "32", "--seeds", "1",
+                           "--no-sequential", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures == json.loads(done.stdout.splitlines()[-1])
+    assert (figures["device"], figures["allocator"], figures["runs"]) == ("cpu", "waterwave", 3)
+    assert figures["jobs_lost"] == 0, figures
+
+
 def test_offload_writes_the_allocator_its_runs_recorded_to_out(tmp_path):
     out = tmp_path / "offload.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -401,7 +401,7 @@ class Step:
     estimate_s: tuple[float | None, float] = (60, 60)
     """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
     CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
-    estimates for an H100 (19 minutes in all), never yet measured."""
+    estimates for an H100 (20 minutes in all), never yet measured."""
     shown: tuple[str, ...] = ()
     """Figures the table shows (dotted paths into the step's JSON)."""
 
@@ -418,6 +418,11 @@ def _allocator_tests(device: str) -> str:
 
 def _bench(name: str, *args: str) -> list[str]:
     return [sys.executable, str(_CHECKOUT / "benchmarks" / name), *args]
+
+
+def _kind(device: str) -> str:
+    """'cuda' or 'cpu': what a benchmark's --device takes."""
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def _cuda_only(build: Callable[[str, Path, Path], list[str]]) -> Callable[[str, Path, Path], list[str] | None]:
@@ -510,10 +515,14 @@ STEPS: list[Step] = [
                 "gpu.alternating_peak_reserved_ratio", "gpu.two_job_throughput_ratio")),
     Step("waterwave", "the paper's experiments through the launcher",
          lambda d, t, o: _bench("waterwave.py", *(("--device", "cuda") if d.startswith("cuda") else ("--quick",)),
-                                "--out", str(o / f"waterwave-{'cuda' if d.startswith('cuda') else 'cpu'}.json")), True,
+                                "--out", str(o / f"waterwave-{_kind(d)}.json")), True,
          estimate_s=(240, 420),
          shown=("a_batch_fraction.waterwave_2jobs", "b_speedup_vs_sequential", "b_speedup_vs_processes",
                 "b_waterwave_peak_over_budget", "d_single_job_overhead_small")),
+    Step("fragmentation", "random oversubscribed mixes at 32 and 128 MiB: jobs lost, allocated / reserved",
+         lambda d, t, o: _bench("fragmentation.py", "--quick", "--no-sequential", "--device", _kind(d),
+                                "--out", str(o / f"fragmentation-{_kind(d)}.json")), True,
+         estimate_s=(60, 45), shown=("jobs_lost", "median_allocated_over_reserved", "min_allocated_over_reserved")),
     Step("rule-f", "a job waits for another's frees instead of running out of memory",
          lambda d, t, o: _pytest("-k", "rule_f", file=_allocator_tests(d)), True, estimate_s=(15, 30)),
     Step("cudnn-benchmark", "cudnn.benchmark=True in one job while another holds half the device",
