@@ -368,6 +368,22 @@ def test_a_trace_function_set_after_another_job_ended_runs(tmp_path):
         == ["traced calls=3 total=6\n"] * 2
 
 
+def test_thread_trace_and_profile_functions_stay_in_their_job(tmp_path):
+    """threading.settrace/setprofile (coverage, a profiler) in one job: its threads run
+    its functions, as under python, and another job's threads run none (they ran the
+    first job's tracer, in their own namespace)."""
+    import threading
+
+    flag = tmp_path / "hooks-set"
+    result = run(tmp_path, job("hooks", "thread_hooks.py", "set", flag), job("plain", "thread_hooks.py", "none", flag))
+    assert result.exit_code == 0, log(result, "plain", "stderr")
+    assert log(result, "hooks") == ("set: thread has trace=tracer profile=profiler; threading has tracer, profiler; "
+                                    "traced step 2, profiled step 2\n")
+    assert log(result, "plain") == ("none: thread has trace=None profile=None; threading has None, None; "
+                                    "traced step 0, profiled step 0\n")
+    assert (threading.gettrace(), threading.getprofile()) == (None, None)  # the launcher's: untouched
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -24,6 +24,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`
+    threading.settrace the job's threads' trace/profile   `_ThreadHook` as threading's hooks,
+    /setprofile        functions                          patched `settrace`... `getprofile`
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
                        initialized module across jobs)
     files written      noted per run: two jobs writing    patched `open`, `os.open`, torch.save's
@@ -116,6 +118,9 @@ class JobContext:
     thread_hooks: list = field(default_factory=list)
     """Called with no arguments in each thread the job starts, before its target
     (the launcher binds the thread to the job's memory)."""
+    thread_trace: Callable | None = None
+    thread_profile: Callable | None = None
+    """What the job gave `threading.settrace` / `threading.setprofile`: its threads' hooks."""
     thread_id: int | None = None
     interrupts_open: bool = True
     """False once the script and its exit are over (`close_interrupts`): an interrupt
@@ -936,6 +941,53 @@ def _thread_bootstrap_inner(self):
     return _originals["Thread._bootstrap_inner"](self)
 
 
+class _ThreadHook:
+    """threading's `_trace_hook` (or `_profile_hook`), which each new thread installs
+    with `sys.settrace` (`sys.setprofile`) before its `run`: the function its job gave
+    `threading.settrace`, else the launcher's. Given one job's, the other jobs' threads
+    ran its tracer, in their namespace (a NameError), and coverage or a profiler in one
+    job saw the others' code. True only when the thread has one; installed, it puts the
+    real one in its place at the first event it gets, so `sys.gettrace()` in the thread
+    is that function, as under `python`."""
+
+    def __init__(self, kind: str, launcher: Callable | None):
+        self.kind = kind
+        self.launcher = launcher
+        self._install = sys.settrace if kind == "trace" else sys.setprofile
+
+    def current(self) -> Callable | None:
+        job = current_job()
+        own = getattr(job, f"thread_{self.kind}") if job is not None else None
+        return own if own is not None else self.launcher
+
+    def set(self, func: Callable | None) -> None:
+        job = current_job()
+        if job is None:
+            self.launcher = func
+        else:
+            setattr(job, f"thread_{self.kind}", func)
+
+    def __bool__(self) -> bool:
+        return self.current() is not None
+
+    def __call__(self, frame, event, arg):
+        hook = self.current()
+        self._install(hook)
+        return hook(frame, event, arg) if hook is not None else None
+
+
+_thread_hooks: dict[str, _ThreadHook] = {}
+
+
+def _patch_thread_hooks() -> None:
+    for kind, hook_name in (("trace", "_trace_hook"), ("profile", "_profile_hook")):
+        hook = _thread_hooks[kind] = _ThreadHook(kind, getattr(threading, hook_name))
+        setattr(threading, hook_name, hook)
+        setattr(threading, f"set{kind}", hook.set)
+        if hasattr(threading, f"get{kind}"):  # Python 3.10+
+            setattr(threading, f"get{kind}", hook.current)
+
+
 class _FirstImportLock:
     """One job at a time runs first imports (module code not yet in sys.modules).
 
@@ -1323,6 +1375,7 @@ def _patch_functions() -> None:
     importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
+    _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
     subprocess._fork_exec = _fork_exec
