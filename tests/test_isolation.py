@@ -384,6 +384,22 @@ def test_thread_trace_and_profile_functions_stay_in_their_job(tmp_path):
     assert (threading.gettrace(), threading.getprofile()) == (None, None)  # the launcher's: untouched
 
 
+def test_excepthooks_and_thread_names_are_the_job_s_own(tmp_path):
+    """One job's `sys.excepthook` prints its uncaught error, and its
+    `threading.excepthook` its threads' (wwrun printed its own traceback, and the hook
+    a job set caught the other jobs' threads' errors); a job's threads are numbered
+    from Thread-1, with no wwrun frame in their tracebacks: each job's stderr is what
+    `python` prints."""
+    flag = tmp_path / "hooks-set"
+    result = run(tmp_path, job("hooks", "excepthooks.py", "hooks", flag), job("plain", "excepthooks.py", "plain", flag))
+    assert [j.error for j in result.jobs] == ["ValueError: hooks", "ValueError: plain"]
+    assert log(result, "hooks", "stderr") == "own thread hook: KeyError in Thread-1 (fail)\nown hook: ValueError: hooks\n"
+    for mode in ("hooks", "plain"):
+        alone = subprocess.run([sys.executable, str(SCRIPTS / "excepthooks.py"), mode, str(flag)],
+                               capture_output=True, text=True, timeout=120)
+        assert log(result, mode, "stderr") == alone.stderr
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

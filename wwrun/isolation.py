@@ -23,9 +23,12 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
-    threads            inherit the job of their starter   patched `threading.Thread.start`
+    threads            inherit the job of their starter   patched `threading.Thread.start`;
+                       ("Thread-1" is the job's first)    patched `threading._newname`
     threading.settrace the job's threads' trace/profile   `_ThreadHook` as threading's hooks,
     /setprofile        functions                          patched `settrace`... `getprofile`
+    sys.excepthook,    per job: the script's own prints  `_PerJobName` on sys's and threading's
+    threading.excepthook its uncaught errors             classes; `jobthread` calls the former
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
                        initialized module across jobs)
     files written      noted per run: two jobs writing    patched `open`, `os.open`, torch.save's
@@ -56,6 +59,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import io
+import itertools
 import logging
 import os
 import signal
@@ -64,7 +68,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from wwrun import forksafe
@@ -118,6 +122,11 @@ class JobContext:
     thread_hooks: list = field(default_factory=list)
     """Called with no arguments in each thread the job starts, before its target
     (the launcher binds the thread to the job's memory)."""
+    excepthook: Callable = sys.__excepthook__
+    thread_excepthook: Callable = threading.__excepthook__
+    """The job's `sys.excepthook` and `threading.excepthook`: Python's own until it sets them."""
+    thread_numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    """The N of its threads' default names, "Thread-N", as in a process of its own."""
     thread_trace: Callable | None = None
     thread_profile: Callable | None = None
     """What the job gave `threading.settrace` / `threading.setprofile`: its threads' hooks."""
@@ -693,10 +702,21 @@ class _SysModule(types.ModuleType):
     stdin = _PerJobName(sys, "stdin", "stdin")
     stdout = _PerJobName(sys, "stdout", "stdout")
     stderr = _PerJobName(sys, "stderr", "stderr")
+    excepthook = _PerJobName(sys, "excepthook")
 
 
 class _OsModule(types.ModuleType):
     environ = _PerJobName(os, "environ", "os.environ")
+
+
+class _ThreadingModule(types.ModuleType):
+    excepthook = _PerJobName(threading, "thread_excepthook", "threading.excepthook")
+
+
+def _thread_excepthook(args) -> None:
+    """threading's `excepthook` as its threads call it (the module's own global): the
+    one the raising thread's job set, else the launcher's."""
+    threading.excepthook(args)
 
 
 # ---------------------------------------------------------------------------------
@@ -939,6 +959,11 @@ def _thread_bootstrap_inner(self):
         except Exception:  # noqa: BLE001 - Thread.start() waits for this thread: never fail here
             pass
     return _originals["Thread._bootstrap_inner"](self)
+
+
+def _thread_name(name_template: str = "Thread-%d") -> str:
+    job = current_job()
+    return _originals["threading._newname"](name_template) if job is None else name_template % next(job.thread_numbers)
 
 
 class _ThreadHook:
@@ -1328,8 +1353,12 @@ def install() -> None:
         # Last: from here on `sys.stdout` etc. in Python code go through _PerJobName.
         # importlib makes new modules with `type(sys)(name)`: keep those plain.
         importlib._bootstrap._new_module = types.ModuleType
+        if threading.__dict__["excepthook"] is not _thread_excepthook:
+            _originals["threading.excepthook"] = threading.__dict__["excepthook"]
+            threading.__dict__["excepthook"] = _thread_excepthook
         sys.__class__ = _SysModule
         os.__class__ = _OsModule
+        threading.__class__ = _ThreadingModule
         if not any(isinstance(f, _JobLocalFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _JobLocalFinder())
 
@@ -1358,6 +1387,7 @@ def _patch_functions() -> None:
         "os.open": os.open,
         "Thread.start": threading.Thread.start,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
+        "threading._newname": threading._newname,
         "fork_exec": _posixsubprocess.fork_exec,
         "get_preparation_data": multiprocessing.spawn.get_preparation_data,
     })
@@ -1375,6 +1405,7 @@ def _patch_functions() -> None:
     importlib._bootstrap._find_and_load = _find_and_load
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
+    threading._newname = _thread_name
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.

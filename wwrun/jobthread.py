@@ -123,9 +123,23 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext, quiet: bool = False)
         _write_quietly(ctx.stderr, "KeyboardInterrupt\n")
         return EXIT_INTERRUPTED, "interrupted"
     ctx.traceback = _script_traceback(exc)
-    if not quiet:
+    if quiet:
+        pass
+    elif ctx.excepthook is not sys.__excepthook__:  # the script's own prints it, as at python's exit
+        _call_excepthook(ctx, exc)
+    else:
         _write_quietly(ctx.stderr, ctx.traceback)
     return 1, f"{type(exc).__name__}: {exc}"
+
+
+def _call_excepthook(ctx: isolation.JobContext, exc: BaseException) -> None:
+    """The job's `sys.excepthook` on its uncaught exception; one that fails is
+    reported as Python reports it, with the original traceback after."""
+    try:
+        ctx.excepthook(type(exc), exc, _script_frames(exc.__traceback__))
+    except BaseException as failure:  # noqa: BLE001 - Python's "Error in sys.excepthook"
+        _write_quietly(ctx.stderr, f"Error in sys.excepthook:\n{_script_traceback(failure)}\n"
+                                   f"Original exception was:\n{ctx.traceback}")
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -144,10 +158,14 @@ def _write_quietly(stream, text: str) -> None:
 
 def _script_traceback(exc: BaseException) -> str:
     """The traceback Python would print, without wwrun's own frames."""
-    tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, _script_frames(exc.__traceback__)))
+
+
+def _script_frames(tb):
+    """The traceback from the script's first frame on (wwrun's own left out)."""
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_WWRUN_DIR):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    return tb
 
 
 def _threads_default_to_non_daemon() -> None:

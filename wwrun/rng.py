@@ -166,22 +166,22 @@ def _build_extension() -> None:
 
 
 def _patch_threads() -> None:
-    # The state is taken up in `run`, once the thread has started.
-    start = threading.Thread.start
+    # A thread takes up its starter's state once it runs, before its `run`: nothing
+    # in between the thread's own frames (a traceback of an error in it is Python's).
+    start, bootstrap = threading.Thread.start, threading.Thread._bootstrap_inner
 
     def thread_start(self):
-        state = current_state()
-        if state is not None:
-            run = self.run
-
-            def run_with_job_state():
-                _activate(state)
-                return run()
-
-            self.run = run_with_job_state
+        self._wwrun_rng_state = current_state()
         return start(self)
 
+    def bootstrap_inner(self):
+        state = getattr(self, "_wwrun_rng_state", None)
+        if state is not None:
+            _activate(state)
+        return bootstrap(self)
+
     threading.Thread.start = functools.wraps(start)(thread_start)
+    threading.Thread._bootstrap_inner = functools.wraps(bootstrap)(bootstrap_inner)
 
 
 # -- Python's random and numpy.random -------------------------------------------------
