@@ -400,6 +400,15 @@ def test_excepthooks_and_thread_names_are_the_job_s_own(tmp_path):
         assert log(result, mode, "stderr") == alone.stderr
 
 
+def test_a_job_s_thread_is_its_main_thread(tmp_path):
+    result = run(tmp_path, job("a", "main_thread.py"), job("b", "main_thread.py"))
+    assert result.exit_code == 0, log(result, "a", "stderr")
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "main_thread.py")], capture_output=True, text=True,
+                           timeout=120)
+    assert alone.stdout == "MainThread True\nThread-1 (helper) sees the main thread: True\n"
+    assert log(result, "a") == log(result, "b") == alone.stdout
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(one_line(str(err)), file=sys.stderr)
         return 1
     main_thread = threading.main_thread()
-    if any(t.is_alive() and (t.name.startswith("wwrun:") or not t.daemon and t is not main_thread)
+    if any(t.is_alive() and (hasattr(t, "wwrun_job") or not t.daemon and t is not main_thread)
            for t in threading.enumerate()):
         # A job ignored the interrupt past its grace period, or an interrupted job
         # left a thread of its own running (interpreter exit would wait for it):

@@ -24,7 +24,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     threads            inherit the job of their starter   patched `threading.Thread.start`;
-                       ("Thread-1" is the job's first)    patched `threading._newname`
+                       ("Thread-1" is the job's first;    patched `threading._newname`,
+                       its main thread is the job's)      `threading.main_thread`
     threading.settrace the job's threads' trace/profile   `_ThreadHook` as threading's hooks,
     /setprofile        functions                          patched `settrace`... `getprofile`
     sys.excepthook,    per job: the script's own prints  `_PerJobName` on sys's and threading's
@@ -131,6 +132,8 @@ class JobContext:
     thread_profile: Callable | None = None
     """What the job gave `threading.settrace` / `threading.setprofile`: its threads' hooks."""
     thread_id: int | None = None
+    main_thread: threading.Thread | None = None
+    """The job's own thread (`enter`): `threading.main_thread()` in its threads."""
     interrupts_open: bool = True
     """False once the script and its exit are over (`close_interrupts`): an interrupt
     then would land in wwrun's cleanup of the job, not in the job."""
@@ -144,6 +147,7 @@ class JobContext:
 def enter(job: JobContext) -> None:
     """Make the calling thread `job`'s main thread: its state and working directory."""
     job.thread_id = threading.get_ident()
+    job.main_thread = threading.current_thread()
     if job.path is None:
         launcher_path = sys.__dict__["path"]
         job.path = [*job.local_roots, *(p for p in launcher_path if p not in job.local_roots)]
@@ -961,6 +965,16 @@ def _thread_bootstrap_inner(self):
     return _originals["Thread._bootstrap_inner"](self)
 
 
+def _main_thread() -> threading.Thread:
+    """The job's own thread in its threads (`if threading.current_thread() is
+    threading.main_thread():` before a library sets signal handlers; a helper thread
+    that stops once the main thread is gone), as in a process of its own."""
+    job = current_job()
+    if job is None or job.main_thread is None or os.getpid() != _LAUNCHER_PID:  # a forked child: Python's
+        return _originals["threading.main_thread"]()
+    return job.main_thread
+
+
 def _thread_name(name_template: str = "Thread-%d") -> str:
     job = current_job()
     return _originals["threading._newname"](name_template) if job is None else name_template % next(job.thread_numbers)
@@ -1388,6 +1402,7 @@ def _patch_functions() -> None:
         "Thread.start": threading.Thread.start,
         "Thread._bootstrap_inner": threading.Thread._bootstrap_inner,
         "threading._newname": threading._newname,
+        "threading.main_thread": threading.main_thread,
         "fork_exec": _posixsubprocess.fork_exec,
         "get_preparation_data": multiprocessing.spawn.get_preparation_data,
     })
@@ -1406,6 +1421,7 @@ def _patch_functions() -> None:
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     threading._newname = _thread_name
+    threading.main_thread = _main_thread
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.

@@ -379,7 +379,9 @@ class Runner:
             job.no_room_since = None
         self._set_state(job, JobState.RUNNING)
         # Daemon: a job stuck past the grace period must not keep the process alive.
-        job.thread = threading.Thread(target=self._job_main, args=(job,), name=f"wwrun:{spec.name}", daemon=True)
+        # Named as a script's own thread is (logging's %(threadName)s in its output).
+        job.thread = threading.Thread(target=self._job_main, args=(job,), name="MainThread", daemon=True)
+        job.thread.wwrun_job = spec.name
         job.thread.start()
         self._crash_log.note_thread(job.thread, spec.name, job.attempts - 1)
         self._report_due = 0.0  # the running report names the new thread at once
