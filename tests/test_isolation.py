@@ -409,6 +409,19 @@ def test_a_job_s_thread_is_its_main_thread(tmp_path):
     assert log(result, "a") == log(result, "b") == alone.stdout
 
 
+def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path):
+    """Shared, the second job's `set_start_method` failed ("context has already been
+    set"): a sweep of such a script lost every job but the first."""
+    import multiprocessing
+
+    launchers = multiprocessing.get_start_method(allow_none=True)
+    jobs = [job(f"m{i}", "start_method.py", method) for i, method in enumerate(("spawn", "forkserver", "spawn"))]
+    result = run(tmp_path, *jobs)
+    assert result.exit_code == 0, [log(result, j.name, "stderr") for j in jobs]
+    assert [log(result, j.name) for j in jobs] == [f"{m} [0, 1, 4, 9]\n" for m in ("spawn", "forkserver", "spawn")]
+    assert multiprocessing.get_start_method(allow_none=True) == launchers  # untouched
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -23,6 +23,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
+    multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
+    start method       in each job, as in a process)      context's class
     threads            inherit the job of their starter   patched `threading.Thread.start`;
                        ("Thread-1" is the job's first;    patched `threading._newname`,
                        its main thread is the job's)      `threading.main_thread`
@@ -132,6 +134,8 @@ class JobContext:
     thread_profile: Callable | None = None
     """What the job gave `threading.settrace` / `threading.setprofile`: its threads' hooks."""
     thread_id: int | None = None
+    start_method_context: object = None
+    """The multiprocessing context its `set_start_method` (or first use) fixed."""
     main_thread: threading.Thread | None = None
     """The job's own thread (`enter`): `threading.main_thread()` in its threads."""
     interrupts_open: bool = True
@@ -975,6 +979,37 @@ def _main_thread() -> threading.Thread:
     return job.main_thread
 
 
+class _PerJobStartMethod:
+    """multiprocessing's default context's `_actual_context`, what `set_start_method`
+    fixes and `get_start_method`, `Pool`, `Process` and DataLoader workers use: each
+    job's own, as in a process of its own. Shared, a second job calling
+    `mp.set_start_method("spawn")` (many scripts do, first thing) failed with "context
+    has already been set", and a job's spawn made the other jobs' workers spawn too."""
+
+    def __get__(self, context, owner=None):
+        if context is None:
+            return self
+        job = current_job()
+        return context.__dict__.get("_actual_context") if job is None else job.start_method_context
+
+    def __set__(self, context, value):
+        job = current_job()
+        if job is None:
+            context.__dict__["_actual_context"] = value
+        else:
+            job.start_method_context = value
+
+
+def _patch_start_method() -> None:
+    import multiprocessing.context
+
+    default = multiprocessing.context._default_context
+    kind = type(default)
+    if not isinstance(kind.__dict__.get("_actual_context"), _PerJobStartMethod):
+        default.__class__ = type(kind.__name__, (kind,), {"_actual_context": _PerJobStartMethod(),
+                                                          "__module__": kind.__module__})
+
+
 def _thread_name(name_template: str = "Thread-%d") -> str:
     job = current_job()
     return _originals["threading._newname"](name_template) if job is None else name_template % next(job.thread_numbers)
@@ -1422,6 +1457,7 @@ def _patch_functions() -> None:
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     threading._newname = _thread_name
     threading.main_thread = _main_thread
+    _patch_start_method()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
