@@ -409,7 +409,7 @@ def test_a_job_s_thread_is_its_main_thread(tmp_path):
     assert log(result, "a") == log(result, "b") == alone.stdout
 
 
-def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path):
+def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path, recwarn):
     """Shared, the second job's `set_start_method` failed ("context has already been
     set"): a sweep of such a script lost every job but the first."""
     import multiprocessing
@@ -420,6 +420,11 @@ def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path):
     assert result.exit_code == 0, [log(result, j.name, "stderr") for j in jobs]
     assert [log(result, j.name) for j in jobs] == [f"{m} [0, 1, 4, 9]\n" for m in ("spawn", "forkserver", "spawn")]
     assert multiprocessing.get_start_method(allow_none=True) == launchers  # untouched
+    # multiprocessing's resource tracker, which the first run started, was stopped as
+    # at exit, not killed: the next run's jobs start their own, with nothing said.
+    again = run(tmp_path / "again", job("m", "start_method.py", "spawn"))
+    assert again.exit_code == 0
+    assert [str(w.message) for w in recwarn if "resource_tracker" in str(w.message)] == []
 
 
 PENDING_ELSEWHERE = """

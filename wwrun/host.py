@@ -130,7 +130,12 @@ def _proc_descendants(root: int) -> set[int]:
 
 def end_children(before: set[int]) -> None:
     """End the processes the jobs started (DataLoader workers, spawned children):
-    this process's descendants but those in `before` (from `child_pids` at the start)."""
+    this process's descendants but those in `before` (from `child_pids` at the start).
+    multiprocessing's own helpers the jobs started are stopped as at interpreter exit
+    first: killed, the next run in this process found them gone ("resource_tracker:
+    process died unexpectedly, relaunching" in a job's output), and the tracker frees
+    what the jobs' semaphores and shared memory left behind as it stops."""
+    _stop_multiprocessing_helpers(before)
     if not child_pids() - before:
         return  # none (and psutil stays unloaded)
     import psutil
@@ -150,6 +155,20 @@ def end_children(before: set[int]) -> None:
             child.kill()
         except psutil.Error:
             pass
+
+
+def _stop_multiprocessing_helpers(before: set[int]) -> None:
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    helpers = ((multiprocessing.forkserver._forkserver, "_forkserver_pid"),
+               (multiprocessing.resource_tracker._resource_tracker, "_pid"))
+    for helper, pid in helpers:
+        if getattr(helper, pid, None) not in (None, *before):
+            try:
+                helper._stop()  # closes the pipe it lives on, then reaps it
+            except Exception:  # noqa: BLE001 - a Python without it, or gone already: end_children ends it
+                pass
 
 
 def freeze_launcher_objects() -> Callable[[], None]:
