@@ -427,6 +427,16 @@ def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path, recwarn):
     assert [str(w.message) for w in recwarn if "resource_tracker" in str(w.message)] == []
 
 
+def test_each_job_s_forkserver_workers_run_in_its_environment_and_print_to_its_log(tmp_path):
+    """multiprocessing's forkserver was one for the process, started in the first job's
+    environment and output: the other job's workers ran there."""
+    jobs = [job(name, "forkserver_env.py", env={"TAG": name}) for name in ("one", "two")]
+    result = run(tmp_path, *jobs)
+    assert result.exit_code == 0, [log(result, j.name, "stderr") for j in jobs]
+    for name in ("one", "two"):
+        assert sorted(log(result, name).splitlines()) == [f"got ['{name}']", f"worker of {name}"]
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -24,7 +24,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
-    start method       in each job, as in a process)      context's class
+    start method,      in each job, as in a process);     context's class; `forkserver`'s
+    forkserver         the job's own forkserver           functions dispatch to the job's
     threads            inherit the job of their starter   patched `threading.Thread.start`;
                        ("Thread-1" is the job's first;    patched `threading._newname`,
                        its main thread is the job's)      `threading.main_thread`
@@ -56,6 +57,7 @@ import collections.abc
 import contextlib
 import ctypes
 import errno
+import functools
 import gc
 import importlib._bootstrap
 import importlib.abc
@@ -136,6 +138,8 @@ class JobContext:
     thread_id: int | None = None
     start_method_context: object = None
     """The multiprocessing context its `set_start_method` (or first use) fixed."""
+    forkserver: object = None
+    """Its own `multiprocessing.forkserver.ForkServer`, once it used one."""
     main_thread: threading.Thread | None = None
     """The job's own thread (`enter`): `threading.main_thread()` in its threads."""
     interrupts_open: bool = True
@@ -182,6 +186,10 @@ def release(job: JobContext) -> None:
     namespaces = [job.main.__dict__, *(m.__dict__ for m in job.modules.values())]
     job.main = types.ModuleType("__main__")
     job.modules = {}
+    if job.forkserver is not None:  # it ends with its job, as with a process at exit
+        with contextlib.suppress(Exception):
+            job.forkserver._stop()
+        job.forkserver = None
     job.atexit_handlers.clear()
     job.signal_handlers.clear()
     job.rebound.clear()
@@ -1010,6 +1018,32 @@ def _patch_start_method() -> None:
                                                           "__module__": kind.__module__})
 
 
+_FORKSERVER_CALLS = ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload")
+
+
+def _patch_forkserver() -> None:
+    """multiprocessing's forkserver is one process per process, started with the env,
+    folder and output of whoever first used it: the second job's workers ran in the
+    first job's environment and printed into its log (and from Python 3.14 it is the
+    default start method, DataLoader workers included). Each job gets its own."""
+    import multiprocessing.forkserver as forkserver
+
+    shared = forkserver._forkserver
+
+    def own():
+        job = current_job()
+        if job is None or os.getpid() != _LAUNCHER_PID:  # the launcher, or a child: Python's
+            return shared
+        if job.forkserver is None:
+            job.forkserver = forkserver.ForkServer()
+        return job.forkserver
+
+    for name in _FORKSERVER_CALLS:
+        if getattr(getattr(forkserver, name), "__self__", None) is shared:
+            setattr(forkserver, name, functools.wraps(getattr(shared, name))(
+                lambda *args, _name=name: getattr(own(), _name)(*args)))
+
+
 def _thread_name(name_template: str = "Thread-%d") -> str:
     job = current_job()
     return _originals["threading._newname"](name_template) if job is None else name_template % next(job.thread_numbers)
@@ -1458,6 +1492,7 @@ def _patch_functions() -> None:
     threading._newname = _thread_name
     threading.main_thread = _main_thread
     _patch_start_method()
+    _patch_forkserver()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
