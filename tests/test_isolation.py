@@ -437,6 +437,17 @@ def test_each_job_s_forkserver_workers_run_in_its_environment_and_print_to_its_l
         assert sorted(log(result, name).splitlines()) == [f"got ['{name}']", f"worker of {name}"]
 
 
+def test_a_child_of_os_fork_ends_with_the_script_s_exit_code(tmp_path):
+    """The child went on into wwrun's cleanup of the job and waited for good for a
+    lock that a thread of the launcher held at the fork, and so did its parent."""
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"),
+                           "--report", str(tmp_path / "report.json"), str(SCRIPTS / "forks.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    logs = Path(json.loads((tmp_path / "report.json").read_text())["run"]["log_dir"])
+    assert (logs / "forks" / "stdout.log").read_text() == "first child: 3\nsecond child: 0\n"
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -918,6 +918,12 @@ class _Builtin:
         return f"<built-in function {self.__name__}>"
 
 
+def in_forked_child() -> bool:
+    """This process is a child the launcher's process forked (a job's `os.fork()`, a
+    DataLoader worker), not the launcher."""
+    return os.getpid() != _LAUNCHER_PID
+
+
 def _os_exit(code):
     # Forked children (DataLoader workers) end with os._exit: only the launcher
     # process itself turns it into the end of one job.

@@ -55,7 +55,21 @@ def _run_attempt(job, ctx, memory, session) -> tuple[int, str | None]:
     except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
         if code == 0:
             code, error = _outcome(exc, ctx)
+    if isolation.in_forked_child():
+        _end_forked_child(ctx, code)
     return code, error
+
+
+def _end_forked_child(ctx: isolation.JobContext, code: int) -> None:
+    """The script called os.fork() and this is the child, at the script's end: it
+    exits with the script's code, as under `python`. wwrun's cleanup is not its to
+    run: it would wait for locks that threads of the launcher held at the fork."""
+    for stream in (ctx.stdout, ctx.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)  # a child's os._exit is Python's own
 
 
 def _clean_up(job, ctx, session) -> None:
