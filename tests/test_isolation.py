@@ -448,6 +448,44 @@ def test_a_child_of_os_fork_ends_with_the_script_s_exit_code(tmp_path):
     assert (logs / "forks" / "stdout.log").read_text() == "first child: 3\nsecond child: 0\n"
 
 
+def test_a_signal_sent_to_the_process_reaches_each_job_s_handler_or_ends_the_job(tmp_path):
+    """SIGUSR1 (a cluster's "checkpoint now"), SIGUSR2, SIGHUP: left to the process,
+    one ended every job at once, even a lone job with its own handler."""
+    import threading
+    import time
+
+    flags = [tmp_path / "handler-ready", tmp_path / "default-ready"]
+
+    def signal_once_both_wait():
+        deadline = time.monotonic() + 60
+        while not all(flag.exists() for flag in flags) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    threading.Thread(target=signal_once_both_wait, daemon=True).start()
+    result = run(tmp_path, job("handler", "signals.py", "handler", flags[0]),
+                 job("default", "signals.py", "default", flags[1]))
+    fresh = "fresh: 0 True\n"  # SIG_DFL and Python's own SIGINT handler, not the launcher's
+    assert log(result, "handler") == fresh + "handled [10]\n"
+    assert log(result, "default") == fresh  # ended as SIGUSR1 ends a process: silently
+    assert [(j.state.value, j.exit_code, j.error) for j in result.jobs] == [
+        ("succeeded", 0, None), ("failed", 138, "killed by SIGUSR1")]
+
+
+def test_a_job_s_own_signals_and_alarms_reach_it_alone(tmp_path):
+    """`os.kill(os.getpid(), ...)` and an alarm's SIGALRM are the job's: they reached
+    every job (ending those without a handler), and an alarm a job left set ended the
+    others after it was over; a handler's exception keeps its message."""
+    result = run(tmp_path, job("self", "signals.py", "self"), job("alarm", "signals.py", "alarm"))
+    assert result.exit_code == 0, [j.error for j in result.jobs]
+    for mode in ("self", "alarm"):
+        alone = subprocess.run([sys.executable, str(SCRIPTS / "signals.py"), mode], capture_output=True, text=True,
+                               timeout=120)
+        assert log(result, mode) == alone.stdout
+    assert log(result, "alarm").endswith("timed out: step took too long alarm left: 0\n")
+    assert log(result, "self").endswith("handled [10]\n")
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -24,9 +24,17 @@ _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 _handlers_before_run: dict[int, object] = {}
 
 
-def handle_interrupts(handler) -> Callable[[], None]:
+RELAYED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2", "SIGHUP") if hasattr(signal, name))
+"""Signals a script may handle itself (a cluster's "checkpoint now", a closed
+terminal): `relay` hands them to every job, whose own handler runs, or which ends
+as the signal's default action would end its process. Left to their default here,
+one ended the whole run at once, with no summary."""
+
+
+def handle_interrupts(handler, relay=None) -> Callable[[], None]:
     """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
-    only, as Python allows); returns what puts the previous handlers back.
+    only, as Python allows), `relay` for RELAYED_SIGNALS; returns what puts the
+    previous handlers back.
 
     Only the launcher's process runs it: a process a job forks (a DataLoader
     worker) gets the previous handlers back at once (_restore_handlers_in_child),
@@ -35,15 +43,16 @@ def handle_interrupts(handler) -> Callable[[], None]:
     the launcher, holding locks that threads of the parent held at fork."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handled = (signal.SIGINT, signal.SIGTERM, *(RELAYED_SIGNALS if relay is not None else ()))
+    previous = {sig: signal.getsignal(sig) for sig in handled}
     launcher = os.getpid()
 
     def in_launcher(signum, frame):
         if os.getpid() == launcher:
-            handler(signum, frame)
+            (relay if signum in RELAYED_SIGNALS else handler)(signum, frame)
         elif signum == signal.SIGINT:  # a child the fork hook did not reach (os.fork from C)
             raise KeyboardInterrupt
-        else:  # SIGTERM's default action there
+        else:  # the default action there (SIGTERM's, SIGUSR1's...)
             isolation._originals.get("os._exit", os._exit)(128 + signum)
 
     for sig in previous:

@@ -19,9 +19,11 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
                        stdin: the launcher's for a lone   `job_stdin`
                        job or the `stdin: true` one
     working directory  the job's cwd                      unshare(CLONE_FS) per job thread (Linux)
-    atexit, signal     per-job handlers                   patched `atexit.register`, `signal.signal`
+    atexit, signal     per-job handlers, Python's         patched `atexit.register`, `signal.signal`,
+                       defaults; alarm() per job          `getsignal`, `alarm`, `setitimer`
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
+    os.kill(own pid)   signals the job only               patched `os.kill`, `signal.raise_signal`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
     start method,      in each job, as in a process);     context's class; `forkserver`'s
@@ -96,6 +98,29 @@ class JobExit(BaseException):
         self.code = code
 
 
+class KilledBySignal(JobExit):
+    """Raised in a job's thread for a signal its script leaves at the default action
+    (SIGUSR1, SIGHUP, its own alarm's SIGALRM): it ends that job, with code 128 + the
+    signal's number, as the signal would end the script's own process."""
+
+    signum = 0
+
+    def __init__(self):
+        super().__init__(128 + self.signum)
+
+
+_killed_by_types: dict[int, type[KilledBySignal]] = {}
+
+
+def killed_by(signum: int) -> type[KilledBySignal]:
+    """The exception class for `signum` (raised asynchronously: by class, no arguments)."""
+    kind = _killed_by_types.get(signum)
+    if kind is None:
+        kind = _killed_by_types[signum] = type(f"KilledBy{signal.Signals(signum).name}", (KilledBySignal,),
+                                               {"signum": signum})
+    return kind
+
+
 @dataclass(eq=False)
 class JobContext:
     """Everything a running job sees in place of the process's own state."""
@@ -146,6 +171,8 @@ class JobContext:
     """False once the script and its exit are over (`close_interrupts`): an interrupt
     then would land in wwrun's cleanup of the job, not in the job."""
     interrupt_lock: threading.Lock = field(default_factory=forksafe.Lock)
+    alarm: "_Alarm | None" = None
+    """Its `signal.alarm` / `setitimer(ITIMER_REAL)` timer, while one is set."""
     traceback: str | None = None
     """The uncaught exception's traceback, once the job failed with one."""
     writes: WriteWatch | None = None
@@ -282,19 +309,34 @@ def deliver_signal(job: JobContext, signum: int) -> None:
     exception the handler raises is raised in the job's thread. Ignored signals are
     ignored; otherwise the job gets KeyboardInterrupt.
     """
-    handler = job.signal_handlers.get(signum, signal.SIG_DFL)
+    handler = job.signal_handlers.get(signum, _python_default(signum))
     if handler == signal.SIG_IGN or not job.interrupts_open:
+        return
+    if not callable(handler) and signum not in (signal.SIGINT, signal.SIGTERM):
+        interrupt(job.thread_id, killed_by(signum), job)  # the default action: the script's end
         return
     if not callable(handler) or handler is signal.default_int_handler:
         interrupt(job.thread_id, KeyboardInterrupt, job)
         return
     previous, _local.job = current_job(), job
     try:
-        handler(signum, None)
+        handler(int(signum), sys._current_frames().get(job.thread_id))  # as Python calls it: the int, the job's frame
     except BaseException as exc:  # noqa: BLE001 - handed on to the job
-        interrupt(job.thread_id, type(exc), job)
+        interrupt(job.thread_id, _as_raisable(exc), job)
     finally:
         _local.job = previous
+
+
+def _as_raisable(exc: BaseException) -> type[BaseException]:
+    """A class of `exc`'s name whose instances, made with no arguments as Python makes
+    an asynchronous exception, are `exc` again (its message: "step took too long", not
+    a bare TimeoutError); `exc`'s own class where it cannot be subclassed."""
+    kind, args = type(exc), exc.args
+    try:
+        return type(kind.__name__, (kind,), {"__init__": lambda self: kind.__init__(self, *args),
+                                             "__module__": kind.__module__, "__qualname__": kind.__qualname__})
+    except TypeError:
+        return kind
 
 
 def interrupt(thread_id: int, exc: type[BaseException] = KeyboardInterrupt, job: JobContext | None = None) -> bool:
@@ -322,6 +364,8 @@ def close_interrupts(job: JobContext) -> None:
     cleanup: a finalizer's "Exception ignored", or the thread ending unreported)."""
     with job.interrupt_lock:
         job.interrupts_open = False
+        if job.alarm is not None:  # an alarm left set ends with its job, as with its process
+            _set_alarm(job, 0.0)
         if job.thread_id is not None:
             _drop_async_exc(job.thread_id)
 
@@ -883,22 +927,102 @@ def _called_from_job_code(job: JobContext) -> bool:
     return any(caller is module.__dict__ for module in job.modules.values())
 
 
+def _python_default(signalnum) -> object:
+    """A signal's handler in a fresh `python` process: what a job has until it sets one
+    (not the launcher's, which a handler chaining to it called: every job stopped)."""
+    if signalnum == signal.SIGINT:
+        return signal.default_int_handler
+    if signalnum in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)):
+        return signal.SIG_IGN
+    return signal.SIG_DFL
+
+
 def _signal_signal(signalnum, handler):
     """From a job's thread, remember the handler for that job instead of raising
-    ValueError ('signal only works in main thread'); the launcher owns real signals."""
+    ValueError ('signal only works in main thread'); the launcher owns real signals
+    and hands each to every job (`deliver_signal`)."""
     job = current_job()
     if job is None:
         return _originals["signal.signal"](signalnum, handler)
-    previous = job.signal_handlers.get(signalnum, _originals["signal.getsignal"](signalnum))
+    previous = job.signal_handlers.get(signalnum, _python_default(signalnum))
     job.signal_handlers[signalnum] = handler
     return previous
 
 
 def _signal_getsignal(signalnum):
     job = current_job()
-    if job is not None and signalnum in job.signal_handlers:
-        return job.signal_handlers[signalnum]
-    return _originals["signal.getsignal"](signalnum)
+    if job is None:
+        return _originals["signal.getsignal"](signalnum)
+    return job.signal_handlers.get(signalnum, _python_default(signalnum))
+
+
+class _Alarm:
+    """A job's `signal.alarm` / `setitimer(ITIMER_REAL)`: the process has one such
+    timer, and the SIGALRM it sends reached every job (a job without a handler for it
+    ended the whole process, as did an alarm left set by a job already over). Each job
+    has its own, and its SIGALRM goes to that job alone."""
+
+    def __init__(self, job: JobContext, seconds: float, interval: float):
+        self.job, self.interval = job, interval
+        self.due = time.monotonic() + seconds
+        self._timer: threading.Timer | None = None
+        self._arm(seconds)
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.name = "wwrun-alarm"
+        previous, _local.job = current_job(), None  # a timer of wwrun's, not a thread of the job
+        try:
+            self._timer.start()
+        finally:
+            _local.job = previous
+
+    def _fire(self) -> None:
+        if self.job.alarm is not self:
+            return
+        if self.interval > 0:
+            self.due = time.monotonic() + self.interval
+            self._arm(self.interval)
+        else:
+            self.job.alarm = None
+        deliver_signal(self.job, signal.SIGALRM)
+
+    def cancel(self) -> tuple[float, float]:
+        """(seconds it had left, its interval), as setitimer returns for the old one."""
+        self._timer.cancel()
+        return max(0.0, self.due - time.monotonic()), self.interval
+
+
+def _set_alarm(job: JobContext, seconds: float, interval: float = 0.0) -> tuple[float, float]:
+    old, job.alarm = job.alarm, None
+    left = old.cancel() if old is not None else (0.0, 0.0)
+    if seconds > 0:
+        job.alarm = _Alarm(job, seconds, interval)
+    return left
+
+
+def _signal_alarm(seconds):
+    job = current_job()
+    if job is None:
+        return _originals["signal.alarm"](seconds)
+    left, _ = _set_alarm(job, float(seconds))
+    return int(left + 0.5) if left else 0  # as alarm(2) rounds what is left
+
+
+def _signal_setitimer(which, seconds, interval=0.0):
+    job = current_job()
+    if job is None or which != signal.ITIMER_REAL:
+        return _originals["signal.setitimer"](which, seconds, interval)
+    return _set_alarm(job, float(seconds), float(interval))
+
+
+def _signal_getitimer(which):
+    job = current_job()
+    if job is None or which != signal.ITIMER_REAL:
+        return _originals["signal.getitimer"](which)
+    alarm = job.alarm
+    return (max(0.0, alarm.due - time.monotonic()), alarm.interval) if alarm is not None else (0.0, 0.0)
 
 
 class _Builtin:
@@ -916,6 +1040,22 @@ class _Builtin:
 
     def __repr__(self):
         return f"<built-in function {self.__name__}>"
+
+
+def _os_kill(pid, signalnum):
+    """A job signalling its own process (`os.kill(os.getpid(), sig)`,
+    `signal.raise_signal`) signals itself, as it would alone; the process is every
+    job's. Its handler runs at once, or the signal's default action ends it."""
+    job = current_job()
+    if job is None or pid != _LAUNCHER_PID or os.getpid() != _LAUNCHER_PID or signalnum == 0:
+        return _originals["os.kill"](pid, signalnum)
+    deliver_signal(job, signalnum)
+
+
+def _raise_signal(signalnum):
+    if current_job() is None or os.getpid() != _LAUNCHER_PID:
+        return _originals["signal.raise_signal"](signalnum)
+    _os_kill(_LAUNCHER_PID, signalnum)
 
 
 def in_forked_child() -> bool:
@@ -1470,8 +1610,13 @@ def _patch_functions() -> None:
         "atexit.unregister": atexit.unregister,
         "signal.signal": signal.signal,
         "signal.getsignal": signal.getsignal,
+        "signal.alarm": signal.alarm,
+        "signal.setitimer": signal.setitimer,
+        "signal.getitimer": signal.getitimer,
         "os._exit": os._exit,
         "os.close": os.close,
+        "os.kill": os.kill,
+        "signal.raise_signal": signal.raise_signal,
         "open": io.open,
         "os.open": os.open,
         "Thread.start": threading.Thread.start,
@@ -1486,8 +1631,13 @@ def _patch_functions() -> None:
     atexit.unregister = _atexit_unregister
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
+    signal.alarm = _signal_alarm
+    signal.setitimer = _signal_setitimer
+    signal.getitimer = _signal_getitimer
     os._exit = _Builtin(_os_exit)
     os.close = _Builtin(_os_close)
+    os.kill = _Builtin(_os_kill)
+    signal.raise_signal = _raise_signal
     global _cache_folders
     _cache_folders = _find_cache_folders()
     builtins.open = io.open = _Builtin(_open)

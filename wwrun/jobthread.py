@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -131,6 +132,8 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext, quiet: bool = False)
             return code, None if code == 0 else f"exited with code {code}"
         _write_quietly(ctx.stderr, f"{code}\n")
         return 1, str(code)
+    if isinstance(exc, isolation.KilledBySignal):  # as the signal ends a script's process: silently
+        return exc.code, f"killed by {signal.Signals(exc.signum).name}"
     if isinstance(exc, isolation.JobExit):
         return exc.code, None if exc.code == 0 else f"os._exit({exc.code})"
     if isinstance(exc, KeyboardInterrupt):

@@ -177,7 +177,7 @@ class Runner:
         end_subreaper = host.become_subreaper()
         self._crash_log = host.CrashLog(self.run_dir)
         pump = Pump(self.display.line)
-        restore_signals = host.handle_interrupts(self._on_signal)
+        restore_signals = host.handle_interrupts(self._on_signal, self._relay_signal)
         self.display.start(self)
         restore_threads = host.share_cpu_threads(self.concurrency, self.display.note, self._cpu_threads)
         thaw = host.freeze_launcher_objects()
@@ -586,6 +586,15 @@ class Runner:
             started = job.thread is not None and not job.result.state.is_final  # running, waiting or admitting
             if started and job.context and job.context.thread_id:
                 job.interrupted = True
+                isolation.deliver_signal(job.context, signum)
+
+
+    def _relay_signal(self, signum, frame) -> None:
+        """SIGUSR1, SIGUSR2, SIGHUP: each started job gets it, as each script's own
+        process would (its handler runs, or it ends as the default action ends it)."""
+        for job in self.jobs:
+            started = job.thread is not None and not job.result.state.is_final
+            if started and job.context and job.context.thread_id:
                 isolation.deliver_signal(job.context, signum)
 
 
