@@ -486,6 +486,17 @@ def test_a_job_s_own_signals_and_alarms_reach_it_alone(tmp_path):
     assert log(result, "self").endswith("handled [10]\n")
 
 
+def test_one_job_switching_the_collector_off_leaves_the_others_collecting(tmp_path):
+    flag = tmp_path / "off"
+    result = run(tmp_path, job("off", "gc_switch.py", "off", flag), job("cycles", "gc_switch.py", "cycles", flag))
+    assert result.exit_code == 0, [j.error for j in result.jobs]
+    assert log(result, "off") == "enabled: False threshold: 10000\nenabled again: True\n"
+    assert log(result, "cycles") == "enabled: True mostly collected: True\n"
+    import gc
+
+    assert gc.isenabled()  # the launcher's
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -24,6 +24,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     os.kill(own pid)   signals the job only               patched `os.kill`, `signal.raise_signal`
+    gc.disable(),      the job's own switch and           patched `gc.disable`... `get_threshold`
+    set_threshold      thresholds (the collector runs)
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
     start method,      in each job, as in a process);     context's class; `forkserver`'s
@@ -171,6 +173,9 @@ class JobContext:
     """False once the script and its exit are over (`close_interrupts`): an interrupt
     then would land in wwrun's cleanup of the job, not in the job."""
     interrupt_lock: threading.Lock = field(default_factory=forksafe.Lock)
+    gc_enabled: bool = True
+    gc_threshold: tuple | None = None
+    """What its `gc.disable()` / `gc.set_threshold` said (None: the process's thresholds)."""
     alarm: "_Alarm | None" = None
     """Its `signal.alarm` / `setitimer(ITIMER_REAL)` timer, while one is set."""
     traceback: str | None = None
@@ -1058,6 +1063,45 @@ def _raise_signal(signalnum):
     _os_kill(_LAUNCHER_PID, signalnum)
 
 
+def _patch_gc() -> None:
+    """`gc.disable()` in one job (for speed, before a collect of its own) turned the
+    cyclic collector off for every job, and left it off after the job: another job's
+    reference cycles, tensors among them, were never freed. A job's switch and
+    thresholds are its own view; the collector keeps running for all."""
+
+    def disable():
+        job = current_job()
+        if job is None:
+            return _originals["gc.disable"]()
+        job.gc_enabled = False
+
+    def enable():
+        job = current_job()
+        if job is None:
+            return _originals["gc.enable"]()
+        job.gc_enabled = True
+
+    def isenabled():
+        job = current_job()
+        return _originals["gc.isenabled"]() if job is None else job.gc_enabled
+
+    def set_threshold(*thresholds):
+        job = current_job()
+        if job is None:
+            return _originals["gc.set_threshold"](*thresholds)
+        current = job.gc_threshold or _originals["gc.get_threshold"]()
+        job.gc_threshold = (*thresholds, *current[len(thresholds):])
+
+    def get_threshold():
+        job = current_job()
+        threshold = job.gc_threshold if job is not None else None
+        return threshold or _originals["gc.get_threshold"]()
+
+    for function in (disable, enable, isenabled, set_threshold, get_threshold):
+        _originals[f"gc.{function.__name__}"] = getattr(gc, function.__name__)
+        setattr(gc, function.__name__, _Builtin(function))
+
+
 def in_forked_child() -> bool:
     """This process is a child the launcher's process forked (a job's `os.fork()`, a
     DataLoader worker), not the launcher."""
@@ -1552,6 +1596,31 @@ def _watch_settings() -> None:
 
     _watch_flags(torch.backends.cudnn, "torch.backends.cudnn", ("benchmark", "deterministic", "allow_tf32"))
     _watch_flags(torch.backends.cuda.matmul, "torch.backends.cuda.matmul", ("allow_tf32",))
+    _once_per_process(torch, "set_num_interop_threads")
+
+
+def _once_per_process(owner, name: str) -> None:
+    """torch takes `set_num_interop_threads` once per process, before any parallel
+    work: the second job to call it failed ("cannot set number of interop threads
+    after parallel work has started"), though its own process would have taken it.
+    A job after the first keeps the value in force; a different one is warned about."""
+    original = getattr(owner, name)
+    if getattr(original, "_wwrun_watched", False):
+        return
+
+    @functools.wraps(original)
+    def once(*args, **kwargs):
+        if current_job() is not None:
+            settings_watch.note(f"torch.{name}", args[0] if args else kwargs)
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as err:
+            if current_job() is None or "cannot set" not in str(err):
+                raise
+            return None
+
+    once._wwrun_watched = True
+    setattr(owner, name, once)
 
 
 _originals: dict = {}
@@ -1649,6 +1718,7 @@ def _patch_functions() -> None:
     threading.main_thread = _main_thread
     _patch_start_method()
     _patch_forkserver()
+    _patch_gc()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
