@@ -497,6 +497,24 @@ def test_one_job_switching_the_collector_off_leaves_the_others_collecting(tmp_pa
     assert gc.isenabled()  # the launcher's
 
 
+def test_an_exec_replaces_the_job_and_os_exit_skips_atexit(tmp_path):
+    """`os.execv` in a job replaced the whole process: every job ended, without a
+    word, exit code 0. The program now runs in the job's place (its folder, its
+    environment, its log) and the job ends with its code; neither an exec nor
+    `os._exit` runs atexit handlers (wwrun ran them after `os._exit`)."""
+    folder = tmp_path / "here"
+    folder.mkdir()
+    result = run(tmp_path, job("exec", "exec_self.py", "exec", cwd=str(folder), env={"TAG": "mine"}),
+                 job("exit", "exec_self.py", "_exit"), job("after", "ending.py", "ok"))
+    assert [(j.name, j.exit_code) for j in result.jobs] == [("exec", 5), ("exit", 3), ("after", 0)]
+    assert log(result, "exec") == "before\nexec: here mine\n"
+    assert log(result, "exit") == "before\n"
+    for mode, expected in (("exec", log(result, "exec")), ("_exit", "before\n")):
+        alone = subprocess.run([sys.executable, str(SCRIPTS / "exec_self.py"), mode], capture_output=True, text=True,
+                               timeout=120, cwd=folder, env={**os.environ, "TAG": "mine"})
+        assert alone.stdout == expected
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -24,6 +24,7 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     os.kill(own pid)   signals the job only               patched `os.kill`, `signal.raise_signal`
+    os.exec*           the program replaces the job       patched `os.execv`, `os.execve`
     gc.disable(),      the job's own switch and           patched `gc.disable`... `get_threshold`
     set_threshold      thresholds (the collector runs)
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
@@ -1102,6 +1103,33 @@ def _patch_gc() -> None:
         setattr(gc, function.__name__, _Builtin(function))
 
 
+def _os_execv(path, args):
+    return _exec_in_job(path, args, None) if _in_launcher_job() else _originals["os.execv"](path, args)
+
+
+def _os_execve(path, args, env):
+    return _exec_in_job(path, args, env) if _in_launcher_job() else _originals["os.execve"](path, args, env)
+
+
+def _in_launcher_job() -> bool:
+    return current_job() is not None and os.getpid() == _LAUNCHER_PID
+
+
+def _exec_in_job(path, args, env) -> None:
+    """`os.execv` and kin in a job (a script restarting itself, handing over to a
+    tool): the program replaces the job, not the process, which every job shares (it
+    replaced the whole run, ending every job without a word, exit code 0). It runs in
+    the job's place, with its environment, folder and output, and the job ends with
+    its exit code, running no atexit handler, as after an exec."""
+    import subprocess
+
+    args = list(args)
+    if not args or not args[0]:
+        raise ValueError("execv() arg 2 first element cannot be empty")
+    code = subprocess.run(args, executable=path, env=env).returncode
+    raise JobExit(code if code >= 0 else 128 - code)
+
+
 def in_forked_child() -> bool:
     """This process is a child the launcher's process forked (a job's `os.fork()`, a
     DataLoader worker), not the launcher."""
@@ -1685,6 +1713,8 @@ def _patch_functions() -> None:
         "os._exit": os._exit,
         "os.close": os.close,
         "os.kill": os.kill,
+        "os.execv": os.execv,
+        "os.execve": os.execve,
         "signal.raise_signal": signal.raise_signal,
         "open": io.open,
         "os.open": os.open,
@@ -1706,6 +1736,8 @@ def _patch_functions() -> None:
     os._exit = _Builtin(_os_exit)
     os.close = _Builtin(_os_close)
     os.kill = _Builtin(_os_kill)
+    os.execv = _Builtin(_os_execv)
+    os.execve = _Builtin(_os_execve)
     signal.raise_signal = _raise_signal
     global _cache_folders
     _cache_folders = _find_cache_folders()

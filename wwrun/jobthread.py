@@ -35,7 +35,7 @@ def run_job(job, memory) -> tuple[int, str | None]:
 
 def _run_attempt(job, ctx, memory, session) -> tuple[int, str | None]:
     """The script, its non-daemon threads and atexit handlers; (exit code, error)."""
-    code, error = 0, None
+    code, error, exited = 0, None, False
     try:
         isolation.enter(ctx)
         _threads_default_to_non_daemon()
@@ -50,9 +50,11 @@ def _run_attempt(job, ctx, memory, session) -> tuple[int, str | None]:
         if isinstance(exc, KeyboardInterrupt):
             job.interrupted = True
         job.out_of_memory = _is_out_of_memory(exc)
+        exited = isinstance(exc, isolation.JobExit)  # os._exit, a signal's end, an exec: no atexit
     try:  # as at interpreter exit: first the non-daemon threads, then atexit
-        _join_job_threads(ctx)
-        isolation.run_atexit_handlers(ctx)
+        if not exited:
+            _join_job_threads(ctx)
+            isolation.run_atexit_handlers(ctx)
     except BaseException as exc:  # noqa: BLE001 - a late Ctrl-C, a crash in atexit
         if code == 0:
             code, error = _outcome(exc, ctx)
