@@ -515,6 +515,20 @@ def test_an_exec_replaces_the_job_and_os_exit_skips_atexit(tmp_path):
         assert alone.stdout == expected
 
 
+def test_two_jobs_profiling_at_once_take_turns(tmp_path):
+    """torch's profiler is one per process: two jobs profiling at once crashed the
+    process (a segfault as the first stopped). The second waits for the first's
+    session, and each profile holds its own job's ops only."""
+    script = str(SCRIPTS / "profiled.py")
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--log-dir", str(tmp_path / "logs"),
+                           "--report", str(tmp_path / "report.json"), script, "mm", ":", script, "sin"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = Path(json.loads((tmp_path / "report.json").read_text())["run"]["log_dir"])
+    assert (logs / "profiled" / "stdout.log").read_text() == "mm saw aten::mm True aten::sin False\n"
+    assert (logs / "profiled-2" / "stdout.log").read_text() == "sin saw aten::mm False aten::sin True\n"
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -14,7 +14,7 @@ import sys
 import threading
 import traceback
 
-from wwrun import isolation, rng
+from wwrun import isolation, libstate, rng
 from wwrun.config import JobSpec
 from wwrun.result import EXIT_INTERRUPTED
 
@@ -85,6 +85,7 @@ def _clean_up(job, ctx, session) -> None:
         except (OSError, ValueError):
             pass
     ctx.stdin.close()
+    libstate.profiler_sessions.release(ctx)  # a session it never stopped ends with it
     rng.leave_job()
     try:
         isolation.leave()  # drops the job's namespaces: its tensors are freed here

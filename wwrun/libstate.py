@@ -22,6 +22,12 @@ empty mode stack", "Graphs differed across invocations"). `torch.jit.trace`,
 process-wide lock, as dynamo's own `compile_lock` does for `torch.compile`; what they
 produce runs concurrently.
 
+torch's profiler is one per process too (kineto's session, the autograd profiler's
+state): two jobs profiling at once crashed the process (a segfault as one stopped).
+A profiling session, `torch.profiler.profile` or `torch.autograd.profiler.profile`
+from its start to its stop, is one job's at a time; another job's waits, saying so,
+and a job's session ends with the job.
+
 One is a flag: `torch.compiler.is_compiling()` reads a module global that dynamo
 holds True for a whole compile session. Another job's eager code asking it meanwhile
 took the compiled path: `torch.optim.Adam(W)` then kept its step count as a tensor
@@ -214,6 +220,75 @@ def _patch_export(export) -> None:
     export.export = _one_at_a_time(export.export)
 
 
+class _ProfilerSessions:
+    """Who profiles now: one job's session at a time (the launcher's own, None, too)."""
+
+    WAIT_NOTE_S = 1.0
+
+    def __init__(self):
+        self._cond = forksafe.Condition(forksafe.Lock())
+        self._owner: object = None
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = isolation.current_job() or threading.current_thread()
+        with self._cond:
+            said = False
+            while self._depth and self._owner is not me:
+                if not self._cond.wait(self.WAIT_NOTE_S) and not said:
+                    said = True
+                    print(f"wwrun: {getattr(me, 'name', me)} waits for "
+                          f"{getattr(self._owner, 'name', self._owner)}'s torch.profiler session to end "
+                          "(one job profiles at a time)", file=isolation.original_stderr(), flush=True)
+            self._owner = me
+            self._depth += 1
+
+    def release(self, owner: object = None) -> None:
+        """One session of the caller's ends; with `owner` (an ended job), all of its."""
+        me = owner if owner is not None else (isolation.current_job() or threading.current_thread())
+        with self._cond:
+            if self._owner is not me or not self._depth:
+                return
+            self._depth = 0 if owner is not None else self._depth - 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+
+profiler_sessions = _ProfilerSessions()
+
+
+def _patch_profiler(autograd_profiler) -> None:
+    profile = autograd_profiler.profile
+    if getattr(profile._prepare_trace, "__wwrun_locked__", False):
+        return
+    prepare, leave = profile._prepare_trace, profile.__exit__
+
+    @functools.wraps(prepare)
+    def prepare_trace(self, *args, **kwargs):
+        if not getattr(self, "_wwrun_session", False):
+            profiler_sessions.acquire()
+            self._wwrun_session = True
+        try:
+            return prepare(self, *args, **kwargs)
+        except BaseException:
+            self._wwrun_session = False
+            profiler_sessions.release()
+            raise
+
+    @functools.wraps(leave)
+    def exit_(self, *args):
+        try:
+            return leave(self, *args)
+        finally:
+            if getattr(self, "_wwrun_session", False):
+                self._wwrun_session = False
+                profiler_sessions.release()
+
+    prepare_trace.__wwrun_locked__ = True
+    profile._prepare_trace, profile.__exit__ = prepare_trace, exit_
+
+
 _compiling = threading.local()
 
 
@@ -257,6 +332,7 @@ _PATCHES = {
     "matplotlib._pylab_helpers": _patch_pylab_helpers,
     "tqdm.std": _patch_tqdm,
     "torch.jit": _patch_tracers,
+    "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
     "torch.compiler": _compiling_per_thread,
     "torch._inductor.codecache": _share_inductor_address,
