@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -527,6 +528,24 @@ def test_two_jobs_profiling_at_once_take_turns(tmp_path):
     logs = Path(json.loads((tmp_path / "report.json").read_text())["run"]["log_dir"])
     assert (logs / "profiled" / "stdout.log").read_text() == "mm saw aten::mm True aten::sin False\n"
     assert (logs / "profiled-2" / "stdout.log").read_text() == "sin saw aten::mm False aten::sin True\n"
+
+
+def test_a_job_s_faulthandler_watchdog_ends_that_job_alone(tmp_path):
+    """`faulthandler.dump_traceback_later(exit=True)` was the process's: it ended
+    every job, also once the job that armed it had ended; `faulthandler.enable()` in
+    a job took the run's crash log over."""
+    result = run(tmp_path, job("enable", "watchdog.py", "enable"), job("hang", "watchdog.py", "hang"),
+                 job("armed", "watchdog.py", "armed"), job("outlive", "watchdog.py", "outlive"))
+    states = {j.name: (j.exit_code, j.state.value) for j in result.jobs}
+    assert states == {"enable": (0, "succeeded"), "hang": (1, "failed"), "armed": (0, "succeeded"),
+                      "outlive": (0, "succeeded")}, [j.error for j in result.jobs]
+    assert log(result, "enable") == "enabled: True\ndisabled: True\n"
+    assert log(result, "outlive") == "outlived it\n"
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "watchdog.py"), "hang"], capture_output=True, text=True,
+                           timeout=120)
+    thread = re.compile("Thread 0x[0-9a-f]+")
+    assert alone.returncode == 1 and alone.stderr.startswith("Timeout (0:00:00.300000)!\nThread 0x")
+    assert thread.sub("Thread", log(result, "hang", "stderr")) == thread.sub("Thread", alone.stderr)
 
 
 PENDING_ELSEWHERE = """

@@ -27,6 +27,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os.exec*           the program replaces the job       patched `os.execv`, `os.execve`
     gc.disable(),      the job's own switch and           patched `gc.disable`... `get_threshold`
     set_threshold      thresholds (the collector runs)
+    faulthandler       the run's crash log stays; a       patched `enable`, `disable`,
+                       watchdog dumps and ends the job    `dump_traceback_later`...
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
     start method,      in each job, as in a process);     context's class; `forkserver`'s
@@ -85,6 +87,7 @@ from wwrun import forksafe
 
 _local = threading.local()
 _LAUNCHER_PID = os.getpid()
+_WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
 _CLONE_FS = 0x00000200
 
 
@@ -174,6 +177,9 @@ class JobContext:
     """False once the script and its exit are over (`close_interrupts`): an interrupt
     then would land in wwrun's cleanup of the job, not in the job."""
     interrupt_lock: threading.Lock = field(default_factory=forksafe.Lock)
+    faulthandler_on: bool = False
+    watchdog: "_Watchdog | None" = None
+    """Its `faulthandler.dump_traceback_later`, while one is armed."""
     gc_enabled: bool = True
     gc_threshold: tuple | None = None
     """What its `gc.disable()` / `gc.set_threshold` said (None: the process's thresholds)."""
@@ -372,6 +378,9 @@ def close_interrupts(job: JobContext) -> None:
         job.interrupts_open = False
         if job.alarm is not None:  # an alarm left set ends with its job, as with its process
             _set_alarm(job, 0.0)
+        if job.watchdog is not None:  # so does a faulthandler watchdog
+            job.watchdog.cancel()
+            job.watchdog = None
         if job.thread_id is not None:
             _drop_async_exc(job.thread_id)
 
@@ -1130,6 +1139,118 @@ def _exec_in_job(path, args, env) -> None:
     raise JobExit(code if code >= 0 else 128 - code)
 
 
+class _Watchdog:
+    """A job's `faulthandler.dump_traceback_later`: after `timeout` its threads'
+    tracebacks go to `file`, and with `exit` the job ends with code 1 (the process's,
+    shared, ended every job, even after the job that armed it had ended)."""
+
+    def __init__(self, job: JobContext, timeout: float, repeat: bool, file, exit: bool):
+        self.job, self.timeout, self.repeat, self.file, self.exit = job, timeout, repeat, file, exit
+        self._timer = threading.Timer(timeout, self._fire)
+        self._timer.daemon, self._timer.name = True, "wwrun-watchdog"
+        previous, _local.job = current_job(), None  # wwrun's timer, not a thread of the job
+        try:
+            self._timer.start()
+        finally:
+            _local.job = previous
+
+    def _fire(self) -> None:
+        if self.job.watchdog is not self:
+            return
+        threads = [self.job.main_thread, *self.job.threads]
+        frames = sys._current_frames()
+        seconds, micro = int(self.timeout), round(self.timeout % 1 * 1e6)
+        text = [f"Timeout ({seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+                f"{f'.{micro:06d}' if micro else ''})!\n"]  # faulthandler's own format
+        blocks = []
+        for thread in threads:
+            frame = frames.get(getattr(thread, "ident", None))
+            if frame is not None:
+                blocks.append(f"Thread 0x{thread.ident:016x} (most recent call first):\n" + "".join(
+                    f'  File "{f.f_code.co_filename}", line {f.f_lineno} in {f.f_code.co_name}\n'
+                    for f in _script_frames(frame)))
+        text.append("\n".join(blocks))
+        try:
+            if isinstance(self.file, int):
+                os.write(self.file, "".join(text).encode())
+            else:
+                self.file.write("".join(text))
+                self.file.flush()
+        except (OSError, ValueError):
+            pass
+        if self.exit:
+            self.job.watchdog = None
+            interrupt(self.job.thread_id, killed_by_exit(1), self.job)
+        elif self.repeat:
+            self.job.watchdog = _Watchdog(self.job, self.timeout, self.repeat, self.file, self.exit)
+        else:
+            self.job.watchdog = None
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _script_frames(frame):
+    """From `frame` outward, most recent first, up to wwrun's own frames (where the
+    job's thread, or a thread it started, began)."""
+    while frame is not None and not frame.f_code.co_filename.startswith(_WWRUN_DIR):
+        yield frame
+        frame = frame.f_back
+
+
+def killed_by_exit(code: int) -> type[JobExit]:
+    """A JobExit class whose no-argument instance ends the job with `code`."""
+    return type("JobExit", (JobExit,), {"__init__": lambda self: JobExit.__init__(self, code)})
+
+
+def _patch_faulthandler() -> None:
+    """A job's `faulthandler.enable()` took over the run's crash log for the process
+    (a later crash of any job was written to that job's stderr, closed once it
+    ended: lost), and its `dump_traceback_later(exit=True)` ended every job. In a job
+    the run's crash log stays (`is_enabled()` says what the job asked), and the
+    watchdog is the job's (`_Watchdog`)."""
+    import faulthandler
+
+    def enable(file=None, all_threads=True):
+        job = current_job()
+        if job is None:
+            return _originals["faulthandler.enable"](*(() if file is None else (file,)), all_threads=all_threads)
+        job.faulthandler_on = True
+
+    def disable():
+        job = current_job()
+        if job is None:
+            return _originals["faulthandler.disable"]()
+        job.faulthandler_on = False
+
+    def is_enabled():
+        job = current_job()
+        return _originals["faulthandler.is_enabled"]() if job is None else job.faulthandler_on
+
+    def dump_traceback_later(timeout, repeat=False, file=None, exit=False):
+        job = current_job()
+        if job is None:
+            return _originals["faulthandler.dump_traceback_later"](
+                timeout, repeat, *(() if file is None else (file,)), exit=exit)
+        if timeout <= 0:
+            raise ValueError("timeout must be greater than 0")
+        cancel_dump_traceback_later()
+        stderr = job.rebound.get("stderr") or job.stderr  # the job's own, not the view (the timer is no job's)
+        job.watchdog = _Watchdog(job, float(timeout), repeat, stderr if file is None else file, exit)
+
+    def cancel_dump_traceback_later():
+        job = current_job()
+        if job is None:
+            return _originals["faulthandler.cancel_dump_traceback_later"]()
+        watchdog, job.watchdog = job.watchdog, None
+        if watchdog is not None:
+            watchdog.cancel()
+
+    for function in (enable, disable, is_enabled, dump_traceback_later, cancel_dump_traceback_later):
+        _originals[f"faulthandler.{function.__name__}"] = getattr(faulthandler, function.__name__)
+        setattr(faulthandler, function.__name__, _Builtin(function))
+
+
 def in_forked_child() -> bool:
     """This process is a child the launcher's process forked (a job's `os.fork()`, a
     DataLoader worker), not the launcher."""
@@ -1751,6 +1872,7 @@ def _patch_functions() -> None:
     _patch_start_method()
     _patch_forkserver()
     _patch_gc()
+    _patch_faulthandler()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
