@@ -548,6 +548,26 @@ def test_a_job_s_faulthandler_watchdog_ends_that_job_alone(tmp_path):
     assert thread.sub("Thread", log(result, "hang", "stderr")) == thread.sub("Thread", alone.stderr)
 
 
+def test_modules_in_a_folder_a_job_adds_to_its_path_are_its_own(tmp_path):
+    """Two repositories, each `sys.path.insert(0, <repo>/lib)` then `import models`:
+    the second job got the first one's `models` (already in sys.modules) and trained
+    the wrong model without a word. A folder without `__init__.py` in a package
+    (a namespace package, as in locuslab/TCN) is the job's too."""
+    jobs = []
+    for repo in ("repoA", "repoB"):
+        (tmp_path / repo / "lib" / "models" / "nets").mkdir(parents=True)
+        (tmp_path / repo / "lib" / "models" / "__init__.py").write_text(f"WHO = {repo!r}\n")
+        (tmp_path / repo / "lib" / "models" / "nets" / "mlp.py").write_text(f"WHO = {repo + '.mlp'!r}\n")
+        script = tmp_path / repo / "train.py"
+        script.write_text("import os, sys\n"
+                          "sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'lib'))\n"
+                          "import models\nfrom models.nets import mlp\nprint(models.WHO, mlp.WHO)\n")
+        jobs.append(JobSpec(name=repo, script=str(script)))
+    result = run(tmp_path, *jobs)
+    assert result.exit_code == 0, [log(result, j.name, "stderr") for j in jobs]
+    assert [log(result, repo) for repo in ("repoA", "repoB")] == ["repoA repoA.mlp\n", "repoB repoB.mlp\n"]
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation
@@ -666,7 +686,10 @@ def fresh_circular():
         del sys.modules[name]
 
 
-def test_jobs_importing_a_circular_package_at_once_see_it_whole(tmp_path, fresh_circular):
+def test_jobs_importing_a_circular_package_at_once_see_it_whole(tmp_path, fresh_circular, monkeypatch):
+    # On the launcher's path too: a library every job shares (a folder only the jobs
+    # add to their sys.path holds modules of their own).
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
     rendezvous = tmp_path / "rendezvous"
     rendezvous.mkdir()
     entries = ["circular.a", "circular.b"] * 2

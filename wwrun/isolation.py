@@ -852,14 +852,31 @@ _IMPORT_ATTRS = frozenset(
 
 
 def _find_private_spec(job: JobContext, name: str):
-    """The spec of `name` if it lives in the job's own folders or in one of its
-    private packages, else None."""
+    """The spec of `name` if it lives in the job's own folders (its script's, or one
+    it added to its `sys.path`) or in one of its private packages, else None."""
     parent, _, _ = name.rpartition(".")
     if not parent:
-        return importlib.machinery.PathFinder.find_spec(name, job.local_roots)
+        return importlib.machinery.PathFinder.find_spec(name, job.local_roots) or _in_added_folder(job, name)
     package = job.modules.get(parent) or _load_private(job, parent)
     search = getattr(package, "__path__", None)
     return importlib.machinery.PathFinder.find_spec(name, list(search)) if search else None
+
+
+def _in_added_folder(job: JobContext, name: str):
+    """The spec of `name` where the job's `sys.path` finds it first, when that is a
+    folder the job added (`sys.path.insert(0, "lib")`, `sys.path.append("../..")`),
+    not one of the launcher's: a second job's `import models` from its own `lib/`
+    got the first job's module of that name, which was then in `sys.modules`.
+    Extension modules stay shared (a library loads once per process)."""
+    launcher = set(sys.__dict__["path"])
+    for entry in job.path or ():
+        spec = importlib.machinery.PathFinder.find_spec(name, [entry])
+        if spec is None:
+            continue
+        if entry in launcher or spec.origin is None or not spec.origin.endswith(".py"):
+            return None  # where the launcher finds it too, a namespace package, or an extension module
+        return spec
+    return None
 
 
 def _load_private(job: JobContext, name: str):
@@ -868,8 +885,8 @@ def _load_private(job: JobContext, name: str):
         if name in job.modules:
             return job.modules[name]
         spec = _find_private_spec(job, name)
-        if spec is None or spec.loader is None:
-            return None
+        if spec is None or (spec.loader is None and spec.submodule_search_locations is None):
+            return None  # (a folder without __init__.py, a namespace package, loads as one)
         module = importlib.util.module_from_spec(spec)
         job.modules[name] = module  # before exec: circular imports find it
         try:

@@ -1,7 +1,8 @@
 """Imports a module at the same moment as the other jobs.
 
 usage: import_race.py MODULE RENDEZVOUS_DIR JOBS
-The `shared/` folder is put on sys.path: its modules are shared by every job.
+The `shared/` folder is put on sys.path: its modules are shared by every job when the
+launcher's sys.path has it too (a folder only the job adds holds modules of its own).
 """
 
 import importlib
