@@ -568,6 +568,21 @@ def test_modules_in_a_folder_a_job_adds_to_its_path_are_its_own(tmp_path):
     assert [log(result, repo) for repo in ("repoA", "repoB")] == ["repoA repoA.mlp\n", "repoB repoB.mlp\n"]
 
 
+def test_each_job_has_its_own_main_logger(tmp_path):
+    """`logging.getLogger(__name__)` is "__main__" in every script: one logger, so each
+    job's handler printed both jobs' records and one job's level hid the other's."""
+    flags = [tmp_path / "a", tmp_path / "b"]
+    result = run(tmp_path, job("a", "named_logger.py", "a", "INFO", flags[0], flags[1]),
+                 job("b", "named_logger.py", "b", "WARNING", flags[1], flags[0]))
+    assert result.exit_code == 0, [j.error for j in result.jobs]
+    tail = "handlers: 1 child's parent is mine: True\n"
+    assert log(result, "a") == "a: INFO info\na: WARNING warning\n" + tail
+    assert log(result, "b") == "b: WARNING warning\n" + tail
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "named_logger.py"), "b", "WARNING", flags[1], flags[0]],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.stdout == log(result, "b")
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -29,6 +29,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     set_threshold      thresholds (the collector runs)
     faulthandler       the run's crash log stays; a       patched `enable`, `disable`,
                        watchdog dumps and ends the job    `dump_traceback_later`...
+    logging.getLogger  the job's own for `__main__` and   patched `logging.Manager.getLogger`
+    (__name__)         its private modules' names
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
     start method,      in each job, as in a process);     context's class; `forkserver`'s
@@ -180,6 +182,8 @@ class JobContext:
     faulthandler_on: bool = False
     watchdog: "_Watchdog | None" = None
     """Its `faulthandler.dump_traceback_later`, while one is armed."""
+    loggers: dict = field(default_factory=dict)
+    """Its own `logging.getLogger(__name__)` loggers: `__main__`'s and its modules'."""
     gc_enabled: bool = True
     gc_threshold: tuple | None = None
     """What its `gc.disable()` / `gc.set_threshold` said (None: the process's thresholds)."""
@@ -1268,6 +1272,47 @@ def _patch_faulthandler() -> None:
         setattr(faulthandler, function.__name__, _Builtin(function))
 
 
+_job_loggers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _patch_logging() -> None:
+    """`logging.getLogger(__name__)` is `getLogger("__main__")` in every script: one
+    logger for all jobs, so each job's handler printed every job's records (twice, in
+    two formats), and one job's `setLevel` hid the other's. Loggers named for the
+    job's own modules (`__main__`, the modules private to it, and their children) are
+    its own, children of the shared root as under `python`; the rest are shared."""
+    import logging
+
+    manager = logging.Logger.manager
+    get, clear = type(manager).getLogger, type(manager)._clear_cache
+
+    def get_logger(self, name):
+        job = current_job()
+        if job is None or self is not manager or not isinstance(name, str) or not _own_logger_name(job, name):
+            return get(self, name)
+        with job.load_lock:
+            logger = job.loggers.get(name)
+            if logger is None:
+                logger = job.loggers[name] = (self.loggerClass or logging.getLoggerClass())(name)
+                logger.manager = self
+                parent = name.rpartition(".")[0]
+                logger.parent = job.loggers.get(parent) or (get_logger(self, parent) if parent else self.root)
+                _job_loggers.add(logger)
+            return logger
+
+    def clear_cache(self):  # a level changed: the jobs' loggers decide afresh too
+        clear(self)
+        for logger in list(_job_loggers):
+            logger._cache.clear()
+
+    type(manager).getLogger, type(manager)._clear_cache = get_logger, clear_cache
+
+
+def _own_logger_name(job: JobContext, name: str) -> bool:
+    top = name.partition(".")[0]
+    return top == "__main__" or top in job.modules
+
+
 def in_forked_child() -> bool:
     """This process is a child the launcher's process forked (a job's `os.fork()`, a
     DataLoader worker), not the launcher."""
@@ -1890,6 +1935,7 @@ def _patch_functions() -> None:
     _patch_forkserver()
     _patch_gc()
     _patch_faulthandler()
+    _patch_logging()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
