@@ -132,13 +132,15 @@ def _outcome(exc: BaseException, ctx: isolation.JobContext, quiet: bool = False)
         if code is None:
             return 0, None
         if isinstance(code, int):
+            code &= 0xFF  # what its process's parent would see: sys.exit(256) is 0, -1 is 255
             return code, None if code == 0 else f"exited with code {code}"
         _write_quietly(ctx.stderr, f"{code}\n")
         return 1, str(code)
     if isinstance(exc, isolation.KilledBySignal):  # as the signal ends a script's process: silently
         return exc.code, f"killed by {signal.Signals(exc.signum).name}"
     if isinstance(exc, isolation.JobExit):
-        return exc.code, None if exc.code == 0 else f"os._exit({exc.code})"
+        code = exc.code & 0xFF
+        return code, None if code == 0 else f"os._exit({exc.code})"
     if isinstance(exc, KeyboardInterrupt):
         _write_quietly(ctx.stderr, "KeyboardInterrupt\n")
         return EXIT_INTERRUPTED, "interrupted"

@@ -12,6 +12,10 @@ signal.signal(signal.SIGUSR1, lambda *_: None)  # would raise ValueError in a pl
 print("before", how, flush=True)
 if how == "exit3":
     sys.exit(3)
+elif how == "exit256":  # the process's status is the code's low byte: 0
+    sys.exit(256)
+elif how == "exit_minus1":  # 255
+    sys.exit(-1)
 elif how == "exit_builtin":
     exit(4)
 elif how == "exit_text":
