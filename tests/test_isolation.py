@@ -584,6 +584,17 @@ def test_each_job_has_its_own_main_logger(tmp_path):
     assert alone.stdout == log(result, "b")
 
 
+def test_os_write_and_os_system_output_lands_in_the_job_s_log(tmp_path):
+    """`os.write(1, ...)` went to wwrun's console, untagged and in no log; `os.system`
+    ran with the launcher's environment and wrote there too."""
+    result = run(tmp_path, job("raw", "raw_output.py"), job("other", "ending.py", "ok"))
+    assert result.exit_code == 0, log(result, "raw", "stderr")
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "raw_output.py")], capture_output=True, text=True,
+                           timeout=120)
+    assert alone.stdout == "raw stdout\nsystem: set by the script\nstatus 768 3\n"
+    assert (log(result, "raw"), log(result, "raw", "stderr")) == (alone.stdout, alone.stderr)
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

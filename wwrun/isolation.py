@@ -24,6 +24,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     os._exit           ends the job, not the process      patched `os._exit` (launcher process only)
     os.close(0|1|2)    closes the job's stream only       patched `os.close`
     os.kill(own pid)   signals the job only               patched `os.kill`, `signal.raise_signal`
+    os.write(1|2),     the job's output, its env and      patched `os.write`, `os.system`
+    os.system          folder
     os.exec*           the program replaces the job       patched `os.execv`, `os.execve`
     gc.disable(),      the job's own switch and           patched `gc.disable`... `get_threshold`
     set_threshold      thresholds (the collector runs)
@@ -1340,6 +1342,31 @@ def _os_close(fd):
     return None
 
 
+def _os_write(fd, data):
+    """`os.write(1, ...)` (or 2) in a job writes to the job's own output, as `print`
+    does: fds 1 and 2 are the launcher's console (the line went there, untagged, and
+    into no log). Once the job closed the fd, it fails as a closed fd does."""
+    if fd in (1, 2) and os.getpid() == _LAUNCHER_PID:
+        job = current_job()
+        if job is not None:
+            if isinstance(job.rebound.get(_STREAMS[fd]), _ClosedStream):
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            fd = job.stdout_fd if fd == 1 else job.stderr_fd
+    return _originals["os.write"](fd, data)
+
+
+def _os_system(command):
+    """`os.system` in a job runs the command in the job's environment and folder with
+    its output in the job's log (C's `system()` saw the launcher's environment and
+    wrote to wwrun's console); the same wait status back."""
+    if current_job() is None or os.getpid() != _LAUNCHER_PID:
+        return _originals["os.system"](command)
+    import subprocess
+
+    code = subprocess.call(command, shell=True)
+    return code << 8 if code >= 0 else -code
+
+
 def _standard_stream(job: JobContext, fd: int) -> str | None:
     """'stdin', 'stdout' or 'stderr' if `fd` is one of the job's standard streams."""
     if 0 <= fd <= 2:
@@ -1896,6 +1923,8 @@ def _patch_functions() -> None:
         "os._exit": os._exit,
         "os.close": os.close,
         "os.kill": os.kill,
+        "os.write": os.write,
+        "os.system": os.system,
         "os.execv": os.execv,
         "os.execve": os.execve,
         "signal.raise_signal": signal.raise_signal,
@@ -1919,6 +1948,8 @@ def _patch_functions() -> None:
     os._exit = _Builtin(_os_exit)
     os.close = _Builtin(_os_close)
     os.kill = _Builtin(_os_kill)
+    os.write = _Builtin(_os_write)
+    os.system = _Builtin(_os_system)
     os.execv = _Builtin(_os_execv)
     os.execve = _Builtin(_os_execve)
     signal.raise_signal = _raise_signal
