@@ -994,6 +994,18 @@ def _signal_getsignal(signalnum):
     return job.signal_handlers.get(signalnum, _python_default(signalnum))
 
 
+def _start_timer(seconds: float, function, name: str) -> threading.Timer:
+    """A daemon timer of wwrun's, not a thread of the job whose thread starts it."""
+    timer = threading.Timer(seconds, function)
+    timer.daemon, timer.name = True, name
+    previous, _local.job = current_job(), None
+    try:
+        timer.start()
+    finally:
+        _local.job = previous
+    return timer
+
+
 class _Alarm:
     """A job's `signal.alarm` / `setitimer(ITIMER_REAL)`: the process has one such
     timer, and the SIGALRM it sends reached every job (a job without a handler for it
@@ -1007,14 +1019,7 @@ class _Alarm:
         self._arm(seconds)
 
     def _arm(self, seconds: float) -> None:
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.name = "wwrun-alarm"
-        previous, _local.job = current_job(), None  # a timer of wwrun's, not a thread of the job
-        try:
-            self._timer.start()
-        finally:
-            _local.job = previous
+        self._timer = _start_timer(seconds, self._fire, "wwrun-alarm")
 
     def _fire(self) -> None:
         if self.job.alarm is not self:
@@ -1101,22 +1106,7 @@ def _patch_gc() -> None:
     cyclic collector off for every job, and left it off after the job: another job's
     reference cycles, tensors among them, were never freed. A job's switch and
     thresholds are its own view; the collector keeps running for all."""
-
-    def disable():
-        job = current_job()
-        if job is None:
-            return _originals["gc.disable"]()
-        job.gc_enabled = False
-
-    def enable():
-        job = current_job()
-        if job is None:
-            return _originals["gc.enable"]()
-        job.gc_enabled = True
-
-    def isenabled():
-        job = current_job()
-        return _originals["gc.isenabled"]() if job is None else job.gc_enabled
+    _per_job_switch(gc, ("enable", "disable", "isenabled"), "gc_enabled")
 
     def set_threshold(*thresholds):
         job = current_job()
@@ -1130,9 +1120,38 @@ def _patch_gc() -> None:
         threshold = job.gc_threshold if job is not None else None
         return threshold or _originals["gc.get_threshold"]()
 
-    for function in (disable, enable, isenabled, set_threshold, get_threshold):
-        _originals[f"gc.{function.__name__}"] = getattr(gc, function.__name__)
-        setattr(gc, function.__name__, _Builtin(function))
+    _patch_module(gc, set_threshold, get_threshold)
+
+
+def _patch_module(module, *functions) -> None:
+    """Put `functions` in place of `module`'s of the same names (the originals kept)."""
+    for function in functions:
+        _originals[f"{module.__name__}.{function.__name__}"] = getattr(module, function.__name__)
+        setattr(module, function.__name__, _Builtin(function))
+
+
+def _per_job_switch(module, names: tuple[str, str, str], field: str) -> None:
+    """`module`'s enable, disable and is-enabled functions (`names`, in that order) as
+    a view per job: in a job they set and read its context's `field`, and leave the
+    process's switch as it is; elsewhere they are the module's own."""
+
+    def setter(name: str, value: bool):
+        def switch(*args, **kwargs):
+            job = current_job()
+            if job is None:
+                return _originals[f"{module.__name__}.{name}"](*args, **kwargs)
+            setattr(job, field, value)
+            return None
+
+        switch.__name__ = name
+        return switch
+
+    def query():
+        job = current_job()
+        return _originals[f"{module.__name__}.{names[2]}"]() if job is None else getattr(job, field)
+
+    query.__name__ = names[2]
+    _patch_module(module, setter(names[0], True), setter(names[1], False), query)
 
 
 def _os_execv(path, args):
@@ -1169,13 +1188,7 @@ class _Watchdog:
 
     def __init__(self, job: JobContext, timeout: float, repeat: bool, file, exit: bool):
         self.job, self.timeout, self.repeat, self.file, self.exit = job, timeout, repeat, file, exit
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.daemon, self._timer.name = True, "wwrun-watchdog"
-        previous, _local.job = current_job(), None  # wwrun's timer, not a thread of the job
-        try:
-            self._timer.start()
-        finally:
-            _local.job = previous
+        self._timer = _start_timer(timeout, self._fire, "wwrun-watchdog")
 
     def _fire(self) -> None:
         if self.job.watchdog is not self:
@@ -1234,21 +1247,7 @@ def _patch_faulthandler() -> None:
     watchdog is the job's (`_Watchdog`)."""
     import faulthandler
 
-    def enable(file=None, all_threads=True):
-        job = current_job()
-        if job is None:
-            return _originals["faulthandler.enable"](*(() if file is None else (file,)), all_threads=all_threads)
-        job.faulthandler_on = True
-
-    def disable():
-        job = current_job()
-        if job is None:
-            return _originals["faulthandler.disable"]()
-        job.faulthandler_on = False
-
-    def is_enabled():
-        job = current_job()
-        return _originals["faulthandler.is_enabled"]() if job is None else job.faulthandler_on
+    _per_job_switch(faulthandler, ("enable", "disable", "is_enabled"), "faulthandler_on")
 
     def dump_traceback_later(timeout, repeat=False, file=None, exit=False):
         job = current_job()
@@ -1269,9 +1268,7 @@ def _patch_faulthandler() -> None:
         if watchdog is not None:
             watchdog.cancel()
 
-    for function in (enable, disable, is_enabled, dump_traceback_later, cancel_dump_traceback_later):
-        _originals[f"faulthandler.{function.__name__}"] = getattr(faulthandler, function.__name__)
-        setattr(faulthandler, function.__name__, _Builtin(function))
+    _patch_module(faulthandler, dump_traceback_later, cancel_dump_traceback_later)
 
 
 _job_loggers: "weakref.WeakSet" = weakref.WeakSet()
