@@ -900,6 +900,7 @@ def test_a_sweep_writing_one_checkpoint_is_warned_and_job_placeholders_write_apa
         job("b", "save.py", "{job}.pt", "{job}", cwd=str(tmp_path)),
         job("c", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
         job("d", "save.py", "ckpt.pt", "{job}", cwd=str(tmp_path / "runs" / "{job}")),
+        job("e", "temp_file.py"), job("f", "temp_file.py"),  # unnamed files: the folder is no path they write
     )
     assert result.exit_code == 0 and "write_collisions" not in result.extra, result.to_dict()
     import torch

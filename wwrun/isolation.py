@@ -1707,8 +1707,10 @@ def _writes(mode: str) -> bool:
 
 
 def _open(file, mode="r", *args, **kwargs):
-    """`open`/`io.open`: the job's writes are noted (`WriteWatch`)."""
-    if isinstance(mode, str) and _writes(mode) and not isinstance(file, int):
+    """`open`/`io.open`: the job's writes are noted (`WriteWatch`); not with an
+    `opener`, which decides what is opened (`tempfile.TemporaryFile` passes its
+    folder and opens an unnamed file in it: two jobs "both wrote /tmp")."""
+    if isinstance(mode, str) and _writes(mode) and not isinstance(file, int) and kwargs.get("opener") is None:
         _note_write(file)
     return _originals["open"](file, mode, *args, **kwargs)
 
@@ -1716,9 +1718,13 @@ def _open(file, mode="r", *args, **kwargs):
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0) & ~os.O_DIRECTORY  # its own bit (it includes O_DIRECTORY)
+
+
 def _os_open(path, flags, mode=0o777, *, dir_fd=None):
-    """`os.open`: the job's writes are noted (`WriteWatch`)."""
-    if flags & _WRITE_FLAGS and not flags & os.O_APPEND and dir_fd is None:
+    """`os.open`: the job's writes are noted (`WriteWatch`); not an unnamed file
+    (`O_TMPFILE`, `tempfile.TemporaryFile`), whose path is only its folder."""
+    if flags & _WRITE_FLAGS and not flags & (os.O_APPEND | _O_TMPFILE) and dir_fd is None:
         _note_write(path)
     return _originals["os.open"](path, flags, mode, dir_fd=dir_fd)
 
