@@ -595,6 +595,18 @@ def test_os_write_and_os_system_output_lands_in_the_job_s_log(tmp_path):
     assert (log(result, "raw"), log(result, "raw", "stderr")) == (alone.stdout, alone.stderr)
 
 
+def test_a_job_s_dataloader_workers_end_with_it(tmp_path):
+    """Python terminates a process's daemonic children at exit; left alive, each of a
+    DataLoader's 4 workers held the job's end for its 5 s join timeout (20 s), in the
+    iterator's finalizer, as the job's namespaces were collected."""
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+
+    result = run(tmp_path, job("workers", "loader_workers.py"))
+    assert result.exit_code == 0, log(result, "workers", "stderr")
+    assert log(result, "workers") == "fit 4032\n"
+    assert result.wall_s < 2 * MP_STATUS_CHECK_INTERVAL, result.wall_s  # not 4 of them
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

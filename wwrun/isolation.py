@@ -1312,6 +1312,37 @@ def _own_logger_name(job: JobContext, name: str) -> bool:
     return top == "__main__" or top in job.modules
 
 
+def _tag_processes() -> None:
+    """A `multiprocessing` process (a DataLoader worker) knows the job that started it
+    (`end_daemon_processes`)."""
+    import multiprocessing.process
+
+    start = multiprocessing.process.BaseProcess.start
+
+    @functools.wraps(start)
+    def tagged_start(self):
+        self._wwrun_job = current_job() if os.getpid() == _LAUNCHER_PID else None
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = tagged_start
+
+
+def end_daemon_processes(job: JobContext, wait_s: float = 5.0) -> None:
+    """What Python does with a process's daemonic children at exit (multiprocessing's
+    atexit hook): terminate them, then reap them. Left alive, a DataLoader's workers
+    made the job's end wait 5 s each, in the iterator's finalizer, collected with the
+    job's namespaces (its shutdown message never reached them)."""
+    import multiprocessing
+
+    ours = [p for p in multiprocessing.active_children() if p.daemon and getattr(p, "_wwrun_job", None) is job]
+    for process in ours:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    deadline = time.monotonic() + wait_s
+    for process in ours:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
 def in_forked_child() -> bool:
     """This process is a child the launcher's process forked (a job's `os.fork()`, a
     DataLoader worker), not the launcher."""
@@ -1970,6 +2001,7 @@ def _patch_functions() -> None:
     _patch_gc()
     _patch_faulthandler()
     _patch_logging()
+    _tag_processes()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.

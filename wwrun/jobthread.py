@@ -86,6 +86,7 @@ def _clean_up(job, ctx, session) -> None:
             pass
     ctx.stdin.close()
     libstate.profiler_sessions.release(ctx)  # a session it never stopped ends with it
+    isolation.end_daemon_processes(ctx)  # as at a process's exit: before its namespaces are collected
     rng.leave_job()
     try:
         isolation.leave()  # drops the job's namespaces: its tensors are freed here
