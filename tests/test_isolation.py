@@ -607,6 +607,20 @@ def test_a_job_s_dataloader_workers_end_with_it(tmp_path):
     assert result.wall_s < 2 * MP_STATUS_CHECK_INTERVAL, result.wall_s  # not 4 of them
 
 
+def test_sys_dunder_streams_are_the_job_s_own(tmp_path):
+    """`sys.__stdout__` was wwrun's console: `sys.stdout = sys.__stdout__` (restoring
+    after a redirect) sent the rest of the job's output there, untagged, in no log."""
+    result = run(tmp_path, job("a", "restore_stdout.py", tmp_path / "a.txt"),
+                 job("b", "restore_stdout.py", tmp_path / "b.txt"))
+    assert result.exit_code == 0, [j.error for j in result.jobs]
+    alone = subprocess.run([sys.executable, str(SCRIPTS / "restore_stdout.py"), str(tmp_path / "alone.txt")],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.stdout == "to __stdout__\nrestored via __stdout__\n" and alone.stderr == "to __stderr__\n"
+    for name in ("a", "b"):
+        assert (log(result, name), log(result, name, "stderr")) == (alone.stdout, alone.stderr)
+        assert (tmp_path / f"{name}.txt").read_text() == "redirected\n"
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -777,7 +777,32 @@ class _PerJobName:
 _STREAMS = ("stdin", "stdout", "stderr")
 
 
+class _StartStream:
+    """`sys.__stdin__`, `sys.__stdout__`, `sys.__stderr__`: in a job, the streams it
+    started with (its log's pipes), as a script's own are: `sys.stdout =
+    sys.__stdout__`, the usual restore after a redirect, sent the rest of the job's
+    output to wwrun's console, untagged and in no log."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        job = current_job()
+        return module.__dict__[self.name] if job is None or module is not sys else getattr(job, self.field)
+
+    def __set__(self, module, value):
+        module.__dict__[self.name] = value
+
+
 class _SysModule(types.ModuleType):
+    __stdin__ = _StartStream("stdin")
+    __stdout__ = _StartStream("stdout")
+    __stderr__ = _StartStream("stderr")
     argv = _PerJobName(sys, "argv")
     path = _PerJobName(sys, "path")
     stdin = _PerJobName(sys, "stdin", "stdin")
