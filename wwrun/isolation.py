@@ -1337,6 +1337,9 @@ def _own_logger_name(job: JobContext, name: str) -> bool:
     return top == "__main__" or top in job.modules
 
 
+_process_jobs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _tag_processes() -> None:
     """A `multiprocessing` process (a DataLoader worker) knows the job that started it
     (`end_daemon_processes`)."""
@@ -1346,7 +1349,9 @@ def _tag_processes() -> None:
 
     @functools.wraps(start)
     def tagged_start(self):
-        self._wwrun_job = current_job() if os.getpid() == _LAUNCHER_PID else None
+        job = current_job()
+        if job is not None and os.getpid() == _LAUNCHER_PID:
+            _process_jobs[self] = job  # not on the process object, which spawn pickles
         return start(self)
 
     multiprocessing.process.BaseProcess.start = tagged_start
@@ -1359,7 +1364,7 @@ def end_daemon_processes(job: JobContext, wait_s: float = 5.0) -> None:
     job's namespaces (its shutdown message never reached them)."""
     import multiprocessing
 
-    ours = [p for p in multiprocessing.active_children() if p.daemon and getattr(p, "_wwrun_job", None) is job]
+    ours = [p for p in multiprocessing.active_children() if p.daemon and _process_jobs.get(p) is job]
     for process in ours:
         with contextlib.suppress(Exception):
             process.terminate()
