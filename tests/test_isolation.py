@@ -621,6 +621,16 @@ def test_sys_dunder_streams_are_the_job_s_own(tmp_path):
         assert (tmp_path / f"{name}.txt").read_text() == "redirected\n"
 
 
+def test_runpy_running_a_script_as_main_swaps_only_its_job_s_main(tmp_path):
+    """runpy put its module in `sys.modules["__main__"]` for every job: another job's
+    `__main__` was the inner script's meanwhile, and its classes did not pickle."""
+    flag, done = tmp_path / "inner-running", tmp_path / "checked"
+    result = run(tmp_path, job("outer", "runpy_outer.py", flag, done), job("side", "pickles_main.py", flag, done))
+    assert result.exit_code == 0, [log(result, j, "stderr") for j in ("outer", "side")]
+    assert log(result, "outer") == "inner: runpy_inner.py Inner\nouter's __main__ again: runpy_outer.py\n"
+    assert log(result, "side") == "mine: pickles_main.py Mine\n"
+
+
 PENDING_ELSEWHERE = """
 import sys, threading, time
 from wwrun import isolation

@@ -33,6 +33,7 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
                        watchdog dumps and ends the job    `dump_traceback_later`...
     logging.getLogger  the job's own for `__main__` and   patched `logging.Manager.getLogger`
     (__name__)         its private modules' names
+    runpy's __main__   swaps the job's main module        patched `runpy._TempModule`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
     start method,      in each job, as in a process);     context's class; `forkserver`'s
@@ -1340,6 +1341,39 @@ def _own_logger_name(job: JobContext, name: str) -> bool:
 _process_jobs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _patch_runpy() -> None:
+    """`runpy.run_path(path, run_name="__main__")` (and `run_module`, as `-m` wrappers
+    such as profilers use them) put a module of their own in `sys.modules["__main__"]`
+    while the code runs: the `_MainModule` view went, and every other job's `__main__`
+    was that module meanwhile (its classes no longer pickled). In a job, the job's
+    main module is swapped instead."""
+    import runpy
+
+    temp_module = runpy._TempModule
+    if getattr(temp_module, "_wwrun_per_job", False):
+        return
+
+    class JobTempModule(temp_module):
+        _wwrun_per_job = True
+
+        def __enter__(self):
+            job = current_job()
+            if self.mod_name != "__main__" or job is None:
+                return super().__enter__()
+            self._wwrun_job, self._wwrun_saved = job, job.main
+            job.main = self.module
+            return self
+
+        def __exit__(self, *args):
+            job = self.__dict__.pop("_wwrun_job", None)
+            if job is None:
+                return super().__exit__(*args)
+            job.main = self.__dict__.pop("_wwrun_saved")
+            return None
+
+    runpy._TempModule = JobTempModule
+
+
 def _tag_processes() -> None:
     """A `multiprocessing` process (a DataLoader worker) knows the job that started it
     (`end_daemon_processes`)."""
@@ -2032,6 +2066,7 @@ def _patch_functions() -> None:
     _patch_faulthandler()
     _patch_logging()
     _tag_processes()
+    _patch_runpy()
     _patch_thread_hooks()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
