@@ -1122,7 +1122,7 @@ def _os_kill(pid, signalnum):
 
 
 def _raise_signal(signalnum):
-    if current_job() is None or os.getpid() != _LAUNCHER_PID:
+    if not _in_launcher_job():
         return _originals["signal.raise_signal"](signalnum)
     _os_kill(_LAUNCHER_PID, signalnum)
 
@@ -1242,7 +1242,7 @@ class _Watchdog:
             pass
         if self.exit:
             self.job.watchdog = None
-            interrupt(self.job.thread_id, killed_by_exit(1), self.job)
+            interrupt(self.job.thread_id, _as_raisable(JobExit(1)), self.job)  # os._exit(1)
         elif self.repeat:
             self.job.watchdog = _Watchdog(self.job, self.timeout, self.repeat, self.file, self.exit)
         else:
@@ -1258,11 +1258,6 @@ def _script_frames(frame):
     while frame is not None and not frame.f_code.co_filename.startswith(_WWRUN_DIR):
         yield frame
         frame = frame.f_back
-
-
-def killed_by_exit(code: int) -> type[JobExit]:
-    """A JobExit class whose no-argument instance ends the job with `code`."""
-    return type("JobExit", (JobExit,), {"__init__": lambda self: JobExit.__init__(self, code)})
 
 
 def _patch_faulthandler() -> None:
@@ -1451,7 +1446,7 @@ def _os_system(command):
     """`os.system` in a job runs the command in the job's environment and folder with
     its output in the job's log (C's `system()` saw the launcher's environment and
     wrote to wwrun's console); the same wait status back."""
-    if current_job() is None or os.getpid() != _LAUNCHER_PID:
+    if not _in_launcher_job():
         return _originals["os.system"](command)
     import subprocess
 
