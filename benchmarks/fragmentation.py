@@ -25,6 +25,16 @@ JSON object on one line; its `allocator` (and each run's) is the one the runs
 recorded, wwrun's (a run on another stops the benchmark, benchmarks/measured.py).
 Exits with 1 when a job was lost.
 
+--processes also runs each mix as separate `python fragmentation_job.py` processes
+side by side on PyTorch's own allocator with expandable segments
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, c10's answer to fragmentation),
+as one would run them without wwrun. On a GPU a filler process holds the device's
+free memory but the limit and each job process's CUDA context (measured by a probe
+process), so the processes share the limit as wwrun's jobs do; a process has no
+one to wait for, so one that finds the memory taken fails (`processes_lost`). On the
+CPU nothing holds processes to a shared budget: their figures are start-up and
+wall time only (`processes_budget_enforced: false`).
+
 --loop N runs the quickstart (recipes/quickstart.yaml under 1.15x its largest job's
 allocated peak in a --policy concurrent run) and three copies of a job whose forward
 makes a 120 MiB temporary under 200 MiB (tests/scripts/big_temporary.py), N times
@@ -43,6 +53,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -153,7 +164,7 @@ def classify(error: str | None, limit: int) -> str | None:
     return "fragmentation" if allocated + _bytes(*request.group(1, 2)) <= limit else "admission"
 
 
-def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True) -> dict:
+def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True, processes: bool = False) -> dict:
     jobs = [(JOB_SCRIPT, [*args, "--device", DEVICE]) for args in mix(limit, fraction, seed)]
     result = launch(jobs, "waterwave", limit)
     lost = [classify(job.error, limit) for job in result.jobs if job.state.value != "succeeded"]
@@ -168,7 +179,81 @@ def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True) -> 
     }
     if sequential and not lost:
         figures["sequential_wall_s"] = round(launch(jobs, "sequential", limit).wall_s, 3)
+    if processes:
+        figures["processes"] = torch_processes([args for _, args in jobs], limit)
     return figures
+
+
+TORCH_ALLOC_CONF = "expandable_segments:True"
+CONTEXT_PROBE = """
+import sys, torch
+torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # a context and a cuBLAS handle, as a job's
+torch.cuda.synchronize()
+print(torch.cuda.memory_reserved(), flush=True)  # the caching allocator's part: not the context's
+sys.stdin.read()
+"""
+FILLER = """
+import sys, torch
+torch.cuda.init()
+free, _ = torch.cuda.mem_get_info()
+hold = torch.empty(max(0, free - int(sys.argv[1])), dtype=torch.uint8, device="cuda")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _holding(code: str, *argv: str) -> subprocess.Popen:
+    """A helper process that holds device memory until its stdin closes, once it has
+    printed its first line."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    proc.first_line = proc.stdout.readline().strip()
+    if not proc.first_line:  # it ended before holding anything (its error is on stderr)
+        raise RuntimeError(f"a helper process failed (exit {proc.wait(timeout=60)})")
+    return proc
+
+
+def _release(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def context_bytes() -> int:
+    """What one job process holds on the device outside its caching allocator (its
+    CUDA context, modules and cuBLAS handle): the drop in the device's free memory
+    while a probe process lives, less its allocator's reserve."""
+    import torch
+
+    before = torch.cuda.mem_get_info()[0]
+    probe = _holding(CONTEXT_PROBE)
+    try:
+        return max(0, before - torch.cuda.mem_get_info()[0] - int(probe.first_line))
+    finally:
+        _release(probe)
+
+
+def torch_processes(jobs: list[list[str]], limit: int) -> dict:
+    """The mix as separate processes on PyTorch's allocator with expandable segments,
+    started together; on CUDA sharing `limit` (a filler holds the rest of the device,
+    but for each process's context). A job is lost when its process fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTORCH_CUDA_ALLOC_CONF=TORCH_ALLOC_CONF)
+    env.pop("PYTORCH_ALLOC_CONF", None)  # the newer name would take precedence
+    filler = None
+    if DEVICE == "cuda":
+        filler = _holding(FILLER, str(limit + len(jobs) * context_bytes()))
+    try:
+        started = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, JOB_SCRIPT, *args], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for args in jobs]
+        errors = [p.communicate()[1] for p in procs]
+        wall = time.perf_counter() - started
+    finally:
+        if filler is not None:
+            _release(filler)
+    failed = [err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}"
+              for p, err in zip(procs, errors) if p.returncode != 0]
+    return {"allocator": "native", "alloc_conf": TORCH_ALLOC_CONF, "budget_enforced": DEVICE == "cuda",
+            "lost": len(failed), "errors": failed, "wall_s": round(wall, 3)}
 
 
 def quickstart_limit() -> int:
@@ -223,6 +308,8 @@ def main() -> None:
     parser.add_argument("--no-sequential", action="store_true", help="skip the --policy sequential runs")
     parser.add_argument("--loop", type=int, default=0, metavar="N", help="the two scenarios of issue 20, N runs each")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--processes", action="store_true",
+                        help="also each mix as processes on PyTorch's allocator with expandable segments")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     import torch
@@ -263,18 +350,30 @@ def grid_figures(args) -> dict:
     runs = []
     started = time.perf_counter()
     for limit, fraction, seed in grid(limits, TENSOR_FRACTIONS, seeds):
-        figures = run_mix(limit, fraction, seed, sequential=not args.no_sequential)
+        figures = run_mix(limit, fraction, seed, sequential=not args.no_sequential, processes=args.processes)
         runs.append(figures)
         ratio = (f", {figures['sequential_wall_s'] / figures['wall_s']:.2f}x sequential"
                  if "sequential_wall_s" in figures else "")
+        apart = (f"; as processes: lost {figures['processes']['lost']}, {figures['processes']['wall_s']:.1f} s"
+                 if args.processes else "")
         print(f"{limit // MiB:5d} MiB, tensors {fraction:.0%}, seed {seed}: {figures['jobs']} jobs, "
               f"lost {figures['lost']} {figures['lost_by'] or ''}, allocated/reserved "
-              f"{figures['allocated_over_reserved']:.3f}, {figures['wall_s']:.1f} s{ratio}", flush=True)
-        for error in figures["errors"]:
+              f"{figures['allocated_over_reserved']:.3f}, {figures['wall_s']:.1f} s{ratio}{apart}", flush=True)
+        for error in figures["errors"] + figures.get("processes", {}).get("errors", []):
             print(f"    {error[:300]}")
     kinds = [kind for run in runs for kind, n in run["lost_by"].items() for _ in range(n)]
     timed = [run for run in runs if "sequential_wall_s" in run]
+    apart = [run["processes"] for run in runs if "processes" in run]
+    processes = {
+        "processes_allocator": apart[0]["allocator"], "processes_alloc_conf": apart[0]["alloc_conf"],
+        "processes_budget_enforced": apart[0]["budget_enforced"],
+        "processes_jobs_lost": sum(p["lost"] for p in apart),
+        "processes_runs_losing_a_job": sum(bool(p["lost"]) for p in apart),
+        "processes_wall_s": round(sum(p["wall_s"] for p in apart), 3),
+        "wall_s": round(sum(run["wall_s"] for run in runs), 3),
+    } if apart else {}
     return {
+        **processes,
         "allocator": runs[0]["allocator"],  # every run's (launch() checks each)
         "runs": len(runs), "jobs": sum(run["jobs"] for run in runs),
         "jobs_lost": sum(run["lost"] for run in runs), "runs_losing_a_job": sum(bool(run["lost"]) for run in runs),
@@ -284,7 +383,8 @@ def grid_figures(args) -> dict:
         "speedup_vs_sequential": round(sum(r["sequential_wall_s"] for r in timed) / sum(r["wall_s"] for r in timed), 3)
         if timed else None,
         "elapsed_s": round(time.perf_counter() - started, 1),
-        "per_run": [{k: v for k, v in run.items() if k != "errors"} for run in runs],
+        "per_run": [{k: ({**v, "errors": v["errors"][:3]} if k == "processes" else v)
+                     for k, v in run.items() if k != "errors"} for run in runs],
     }
 
 

@@ -147,12 +147,17 @@ def run_threads(jobs: list[dict], session=None) -> tuple[float, dict]:
     errors: dict[str, BaseException | None] = {}
 
     def body(name, spec):
+        errors[name] = None
         try:
             with session(name) if session is not None else contextlib.nullcontext():
-                train(**spec)
-            errors[name] = None
+                try:
+                    train(**spec)
+                except Exception as err:
+                    # Without its frames: the job's tensors go before its session
+                    # ends, as in the launcher (held, they shrank the others' budget).
+                    errors[name] = err.with_traceback(None)
         except Exception as err:
-            errors[name] = err
+            errors[name] = err.with_traceback(None)
 
     threads = [threading.Thread(target=body, args=(f"job{i}", spec)) for i, spec in enumerate(jobs)]
     start = time.perf_counter()
@@ -366,9 +371,11 @@ def main() -> None:
 
     # (a) largest batch, solo and shared: engine-level (threads between job_started and
     # job_finished, as the launcher calls them), as a bisection needs many short runs.
-    # On CUDA a larger budget: each job stream's cuBLAS workspaces (~33 MiB each on
-    # sm_90, kept for good) live in it too.
-    capacity_a, high_a = (32 * 2**20, 1 << 16) if DEVICE == "cpu" else (512 * 2**20, 1 << 19)
+    # Both budgets are 256 of the allocator's pages (512 KiB on the host, the driver's
+    # 2 MiB on CUDA), so that each job's partly used last pages weigh the same; on CUDA
+    # each job stream's cuBLAS workspaces (~33 MiB each on sm_90, kept for good) live
+    # in it too.
+    capacity_a, high_a = (128 * 2**20, 1 << 18) if DEVICE == "cpu" else (512 * 2**20, 1 << 19)
     solo = largest_batch(1, width, capacity_a, "waterwave", high=high_a)
     if solo == 0:
         raise RuntimeError(f"(a) not even a batch of 1 trains alone in {capacity_a >> 20} MiB")

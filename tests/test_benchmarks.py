@@ -58,6 +58,34 @@ def test_fragmentation_records_the_allocator_each_run_reported():
     assert figures["allocator"] == "waterwave" and figures["jobs"] >= 2
 
 
+def test_fragmentation_runs_a_mix_as_processes_on_torch_s_allocator_with_expandable_segments():
+    figures = in_benchmarks(
+        "import json, fragmentation\n"
+        "print(json.dumps(fragmentation.run_mix(32 << 20, 0.25, 0, sequential=False, processes=True)))")
+    apart = figures["processes"]
+    assert (apart["allocator"], apart["alloc_conf"]) == ("native", "expandable_segments:True")
+    # On the CPU nothing holds processes to one budget: every job process trains.
+    assert apart["budget_enforced"] is False and apart["lost"] == 0 and apart["wall_s"] > 0, apart
+
+
+@pytest.mark.gpu
+def test_fragmentation_s_filler_leaves_processes_the_limit_beside_their_contexts():
+    """A process that needs more than the limit fails beside the filler; one within it
+    trains: the processes' baseline shares the limit, as wwrun's jobs do."""
+    figures = in_benchmarks(
+        "import json, subprocess, sys, fragmentation as f\n"
+        "f.DEVICE = 'cuda'\n"
+        "context = f.context_bytes()\n"
+        "filler = f._holding(f.FILLER, str((256 << 20) + context))\n"
+        "take = 'import sys, torch; torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device=\"cuda\")'\n"
+        "codes = {mib: subprocess.run([sys.executable, '-c', take, str(mib)], capture_output=True).returncode\n"
+        "         for mib in (128, 512)}\n"
+        "f._release(filler)\n"
+        "print(json.dumps({'context': context, 'codes': codes}))")
+    assert figures["context"] > 0
+    assert figures["codes"] == {"128": 0, "512": 1}, figures
+
+
 def test_fragmentation_writes_its_figures_with_the_device_to_out(tmp_path):
     out = tmp_path / "fragmentation.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
