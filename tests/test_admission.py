@@ -126,3 +126,28 @@ def test_evaluation_passes_take_turns_when_two_would_not_fit(tmp_path):
     result = _launch(_jobs(job, job, job), tmp_path, memory_limit=100 * MiB)
     _all_finish_within(result, 100 * MiB)
     assert all(job.extra["peak_memory_bytes"] > 60 * MiB for job in result.jobs)  # two would not fit
+
+
+def test_validation_forwards_outside_no_grad_free_their_graphs(tmp_path):
+    """A forward that no backward follows keeps nothing once its output is dropped,
+    also while the engine's saved-tensor hooks are on (two jobs taking turns: every
+    pass keeps per-tensor hooks). Kept by a cycle through its own output, each graph
+    lived for good: 15 MiB jobs grew to 147 MiB and ran out of memory."""
+    job = (str(SCRIPTS / "validation_with_grad.py"), ["3", "6"])
+    alone = _launch(_jobs(job), tmp_path, policy="concurrent")
+    peak = alone.jobs[0].extra["peak_memory_bytes"]
+    limit = int(1.6 * peak)  # one fits, two do not
+    result = _launch(_jobs(job, job), tmp_path, memory_limit=limit)
+    _all_finish_within(result, limit)
+    assert all(job.extra["peak_memory_bytes"] <= 1.25 * peak for job in result.jobs), \
+        ([job.extra["peak_memory_bytes"] for job in result.jobs], peak)
+
+
+def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):
+    """nanoGPT evaluates at step 0, before it trains: a newcomer's first pass under
+    no_grad is measured as a profile is, alone, not taken for one keeping nothing (three
+    such jobs started their evaluations at once and lost two of three)."""
+    job = (str(SCRIPTS / "evaluating.py"), ["3", "32", "first"])
+    result = _launch(_jobs(job, job, job), tmp_path, memory_limit=100 * MiB)
+    _all_finish_within(result, 100 * MiB)
+    assert all(job.extra["peak_memory_bytes"] > 60 * MiB for job in result.jobs)  # two would not fit

@@ -516,10 +516,10 @@ def test_a_job_failing_mid_iteration_releases_its_reservation():
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             model(torch.randn(batch, 32)).sum().backward()
             opt.step()
-            model(torch.randn(batch, 32))  # holds a pass of activations...
+            held = model(torch.randn(batch, 32))  # holds a pass of activations...
             holding.set()
             time.sleep(1.0)
-            raise RuntimeError("crash before backward")  # ...and dies with them
+            raise RuntimeError(f"crash before backward of {held.shape}")  # ...and dies with them
         except RuntimeError as err:
             results["fails"] = err
         finally:

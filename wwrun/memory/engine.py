@@ -199,6 +199,16 @@ class _Job:
     evaluating: tuple | None = None  # a no_grad pass: (model, signature, baseline or None, reserved before)
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook of ours keeps of a saved tensor: an alias without its autograd
+    history. A tensor a node saves may be that node's own output: kept as it is, it
+    holds its grad_fn, which holds what our hook returned, a cycle through C++ that
+    Python's collector cannot see. A graph that no backward frees (a pass that failed,
+    a validation forward outside no_grad) then lived for good. Autograd gives the
+    unpacked alias its edge back, so gradients, double backward too, are unchanged."""
+    return tensor if tensor.is_leaf else tensor.detach()
+
+
 class _Saved:
     """What autograd keeps for a saved tensor: the tensor, plus the accounting that
     ends when autograd drops it (after backward, or with the graph)."""
@@ -537,15 +547,31 @@ class Engine:
             return  # another thread, or a model nested in another
         if not torch.is_grad_enabled():
             self._end_profile(job)  # a profiled iteration (that never stepped) is over
-            # A pass that retains nothing. A job that has only run such passes (an
-            # evaluation) is sized: nothing retained, so newcomers need not wait for it.
             state = self.scheduler.jobs.get(job.name)
-            if state is not None and state.claim is None and not state.profiling and not state.pending_profile:
+            if state is None or job.evaluating is not None or model not in job.models:
+                return
+            if job.meter is not None:
+                # Measured as a profile is, also as a job's first pass (nanoGPT
+                # evaluates before it trains): taken for one keeping nothing, it ran
+                # beside the others' passes and its temporaries did not fit.
+                signature = _signature(args, kwargs)
+                if (state.claim is not None and not state.settled and signature in model.evaluated
+                        and not any(p.requires_grad for m in job.models for p in m.module.parameters())):
+                    # A second evaluation of a model that cannot train: sized, so that
+                    # newcomers need not wait for a job that only evaluates. One that may
+                    # train (nanoGPT and Lightning evaluate first) is sized by its first
+                    # step: newcomers let in on its evaluation's size left its training
+                    # passes and optimizer state no room.
+                    with self._lock:
+                        self.scheduler.settle(job.name)
+                        self._cond.notify_all()
+                self._begin_evaluation(job, model, signature)
+            elif state.claim is None and not state.profiling and not state.pending_profile:
+                # Unmeasured (PyTorch's allocator): a job that has only run passes that
+                # retain nothing is sized, so that newcomers need not wait for it.
                 with self._lock:
                     self.scheduler.end_profile(job.name, 0)
                     self._cond.notify_all()
-            elif state is not None and job.meter is not None and job.evaluating is None and model in job.models:
-                self._begin_evaluation(job, model, _signature(args, kwargs))
             return
         if torch._C._current_graph_task_id() != -1:
             return  # a forward re-run inside backward (checkpointing): never block there
@@ -591,6 +617,9 @@ class Engine:
         pass started beside it; the claim then covers it."""
         first = signature not in model.evaluated
         kept = job.reserved  # between a forward and its backward: what the backward needs
+        if first:
+            with self._lock:  # a newcomer's model and data, as before a profiled pass
+                self._persistent_admission(job)
         self._gate(job, 0, target=max(job.claim, kept), pass_start=True, profile=first)
         baseline = self._read(job, restart=True) if first else None
         job.evaluating = (model, signature, baseline, kept)
@@ -1016,13 +1045,15 @@ class Engine:
     def _pack(self, job: _Job, tensor: torch.Tensor, offload=None):
         nbytes = _nbytes(tensor)
         if nbytes == 0:
-            return tensor
+            return _kept(tensor)
         key = _storage_key(tensor)
         if key in job.param_keys:
             return tensor
         stored = tensor if offload is None else offload.keep(tensor)
         if stored is not tensor:  # offloaded, its address may serve another storage: keyed by its handle
             key = ("offloaded", id(stored))
+        else:
+            stored = _kept(tensor)
         with self._lock:
             count = job.saved.get(key, 0)
             job.saved[key] = count + 1
@@ -1052,7 +1083,7 @@ class Engine:
 
         def pack(tensor):
             if current.sentinel_hooks is None or _storage_key(tensor) in job.param_keys or not _nbytes(tensor):
-                return tensor
+                return _kept(tensor)
             self._pop_sentinel(current)
             with self._lock:
                 self._sentinels += 1
@@ -1060,7 +1091,7 @@ class Engine:
                 job.saved[key] = 1
                 job.retained += planned
                 self._total += planned
-            return _Saved(tensor, self, job, key, planned)
+            return _Saved(_kept(tensor), self, job, key, planned)
 
         current.sentinel_hooks = (pack, _unpack)
         torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
@@ -1144,14 +1175,18 @@ class Engine:
         with self._lock:
             if job.meter is not None:  # what it holds now, in pages: backward is over
                 job.persistent_peak = max(job.persistent_peak, self._read(job, restart=False))
-            guess = self._pages(2 * stateless)
-            state = self.scheduler.jobs.get(job.name)
-            if self.capacity is not None and state is not None:
-                # A guess must never make a job "too large": keep it within the room
-                # the job would have alone.
-                guess = min(guess, max(0, self._budget - job.persistent_peak - (state.claim or 0)))
-            job.persistent_reserved = job.persistent_peak + guess
+            job.persistent_reserved = job.persistent_peak + self._optimizer_guess(job, stateless)
             self._persistent_admission(job)
+
+    def _optimizer_guess(self, job: _Job, stateless: int) -> int:
+        """What an optimizer's state will take for `stateless` bytes of parameters it
+        has none for yet: Adam's two buffers per parameter, in pages. A guess must
+        never make a job "too large": at most the room the job would have alone."""
+        guess = self._pages(2 * stateless)
+        state = self.scheduler.jobs.get(job.name)
+        if self.capacity is not None and state is not None:
+            guess = min(guess, max(0, self._budget - job.persistent_peak - (state.claim or 0)))
+        return guess
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         job = self._job()

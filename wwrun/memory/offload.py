@@ -360,7 +360,9 @@ class _Handle:
     __slots__ = ("tensor", "chunk", "index")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor: torch.Tensor | None = tensor  # on the device until stashed
+        # On the device until stashed; an alias without its autograd history, as the
+        # engine keeps one (engine._kept: the tensor itself would make a cycle).
+        self.tensor: torch.Tensor | None = tensor if tensor.is_leaf else tensor.detach()
         self.chunk: _Chunk | None = None
         self.index = 0
 
