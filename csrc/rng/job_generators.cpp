@@ -374,7 +374,9 @@ std::vector<std::string> register_kernels(const std::vector<std::string>& swap_o
   std::set<std::string> swap(swap_ops.begin(), swap_ops.end());
   std::vector<std::string> substituted;
   auto& dispatcher = c10::Dispatcher::singleton();
-  if (done.empty()) {
+  // Once per process, not per copy of this library: a second copy (a build in
+  // another folder, loaded beside the first) registering it again is an error.
+  if (!dispatcher.hasBackendFallbackForDispatchKey(kJobKey)) {
     libraries.push_back(std::make_unique<torch::Library>(
         torch::Library::IMPL, "_", kJobKey, __FILE__, __LINE__));
     libraries.back()->fallback(torch::CppFunction::makeFallthrough());
