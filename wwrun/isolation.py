@@ -242,11 +242,27 @@ def release(job: JobContext) -> None:
     job.threads[:] = [t for t in job.threads if t.is_alive()]
     if not job.threads:
         for namespace in namespaces:
+            compiled = _compiled_globals(namespace)
             namespace.clear()
+            namespace.update(dict.fromkeys(compiled))  # torch.compile deletes these itself
     del namespaces
     # Script namespaces are reference cycles (a function's __globals__): collect them
     # now, since a few large tensors allocate too few objects to trigger the collector.
     gc.collect()
+
+
+def _compiled_globals(namespace: dict) -> list[str]:
+    """The names torch.compile installed in a module's globals (its compiled and
+    resume functions, the builtins it reads): dynamo deletes each itself once the code
+    that uses it is collected (`CleanupHook`), and raised KeyError, printed as
+    "Exception ignored" on wwrun's stderr, when a job's end had emptied the
+    namespace first. Read from dynamo's registry only when dynamo is loaded."""
+    registry = getattr(getattr(sys.modules.get("torch._dynamo.utils"), "CleanupManager", None), "instance", None)
+    hooks = getattr(registry, "values", None)
+    if not isinstance(hooks, dict):
+        return []
+    return [hook.name for group in list(hooks.values()) for hook in group
+            if getattr(hook, "scope", None) is namespace and getattr(hook, "name", None) in namespace]
 
 
 def find_spec(job: JobContext, name: str):
