@@ -1175,18 +1175,14 @@ class Engine:
         with self._lock:
             if job.meter is not None:  # what it holds now, in pages: backward is over
                 job.persistent_peak = max(job.persistent_peak, self._read(job, restart=False))
-            job.persistent_reserved = job.persistent_peak + self._optimizer_guess(job, stateless)
+            guess = self._pages(2 * stateless)
+            state = self.scheduler.jobs.get(job.name)
+            if self.capacity is not None and state is not None:
+                # A guess must never make a job "too large": keep it within the room
+                # the job would have alone.
+                guess = min(guess, max(0, self._budget - job.persistent_peak - (state.claim or 0)))
+            job.persistent_reserved = job.persistent_peak + guess
             self._persistent_admission(job)
-
-    def _optimizer_guess(self, job: _Job, stateless: int) -> int:
-        """What an optimizer's state will take for `stateless` bytes of parameters it
-        has none for yet: Adam's two buffers per parameter, in pages. A guess must
-        never make a job "too large": at most the room the job would have alone."""
-        guess = self._pages(2 * stateless)
-        state = self.scheduler.jobs.get(job.name)
-        if self.capacity is not None and state is not None:
-            guess = min(guess, max(0, self._budget - job.persistent_peak - (state.claim or 0)))
-        return guess
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         job = self._job()
