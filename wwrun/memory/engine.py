@@ -62,7 +62,13 @@ wait for room rather than start a pass that cannot finish.
 
 Passes under `no_grad` keep nothing for backward, but their temporaries take memory
 (an evaluation set in one batch): each waits for the job's claim, and the first of an
-input signature is measured as a profile is (`_begin_evaluation`).
+input signature is measured as a profile is (`_begin_evaluation`), a job's first pass
+too (nanoGPT evaluates before it trains: its model is reserved first). Such a job is
+sized for newcomers by its first optimizer step, as any job that trains, or, when no
+parameter of its models requires grad, by its second evaluation.
+
+Our saved-tensor hooks keep an alias of each tensor without its autograd history
+(`_kept`), so that a graph no backward frees dies with its output, as without them.
 
 Offload (wwrun/memory/offload.py; `offload` is never, auto or always): a job whose
 request can never be granted (its claim beyond the budget less what stays) stashes
