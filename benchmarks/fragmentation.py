@@ -48,6 +48,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per job, as the tests
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -202,15 +203,15 @@ sys.stdin.read()
 """
 
 
-def _holding(code: str, *argv: str) -> subprocess.Popen:
+def _holding(code: str, *argv: str) -> tuple[subprocess.Popen, str]:
     """A helper process that holds device memory until its stdin closes, once it has
-    printed its first line."""
+    printed its first line; (the process, that line)."""
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
-    proc.first_line = proc.stdout.readline().strip()
-    if not proc.first_line:  # it ended before holding anything (its error is on stderr)
+    line = proc.stdout.readline().strip()
+    if not line:  # it ended before holding anything (its error is on stderr)
         raise RuntimeError(f"a helper process failed (exit {proc.wait(timeout=60)})")
-    return proc
+    return proc, line
 
 
 def _release(proc: subprocess.Popen) -> None:
@@ -218,16 +219,17 @@ def _release(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+@functools.cache
 def context_bytes() -> int:
     """What one job process holds on the device outside its caching allocator (its
     CUDA context, modules and cuBLAS handle): the drop in the device's free memory
-    while a probe process lives, less its allocator's reserve."""
+    while a probe process lives, less its allocator's reserve. Measured once a run."""
     import torch
 
     before = torch.cuda.mem_get_info()[0]
-    probe = _holding(CONTEXT_PROBE)
+    probe, reserved = _holding(CONTEXT_PROBE)
     try:
-        return max(0, before - torch.cuda.mem_get_info()[0] - int(probe.first_line))
+        return max(0, before - torch.cuda.mem_get_info()[0] - int(reserved))
     finally:
         _release(probe)
 
@@ -240,7 +242,7 @@ def torch_processes(jobs: list[list[str]], limit: int) -> dict:
     env.pop("PYTORCH_ALLOC_CONF", None)  # the newer name would take precedence
     filler = None
     if DEVICE == "cuda":
-        filler = _holding(FILLER, str(limit + len(jobs) * context_bytes()))
+        filler, _ = _holding(FILLER, str(limit + len(jobs) * context_bytes()))
     try:
         started = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, JOB_SCRIPT, *args], env=env, stdout=subprocess.DEVNULL,

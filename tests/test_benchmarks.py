@@ -76,7 +76,7 @@ def test_fragmentation_s_filler_leaves_processes_the_limit_beside_their_contexts
         "import json, subprocess, sys, fragmentation as f\n"
         "f.DEVICE = 'cuda'\n"
         "context = f.context_bytes()\n"
-        "filler = f._holding(f.FILLER, str((256 << 20) + context))\n"
+        "filler, _ = f._holding(f.FILLER, str((256 << 20) + context))\n"
         "take = 'import sys, torch; torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device=\"cuda\")'\n"
         "codes = {mib: subprocess.run([sys.executable, '-c', take, str(mib)], capture_output=True).returncode\n"
         "         for mib in (128, 512)}\n"

@@ -1449,12 +1449,11 @@ def _os_write(fd, data):
     """`os.write(1, ...)` (or 2) in a job writes to the job's own output, as `print`
     does: fds 1 and 2 are the launcher's console (the line went there, untagged, and
     into no log). Once the job closed the fd, it fails as a closed fd does."""
-    if fd in (1, 2) and os.getpid() == _LAUNCHER_PID:
+    if fd in (1, 2) and _in_launcher_job():
         job = current_job()
-        if job is not None:
-            if isinstance(job.rebound.get(_STREAMS[fd]), _ClosedStream):
-                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
-            fd = job.stdout_fd if fd == 1 else job.stderr_fd
+        if isinstance(job.rebound.get(_STREAMS[fd]), _ClosedStream):
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        fd = job.stdout_fd if fd == 1 else job.stderr_fd
     return _originals["os.write"](fd, data)
 
 

@@ -67,23 +67,23 @@ def _end_forked_child(ctx: isolation.JobContext, code: int) -> None:
     """The script called os.fork() and this is the child, at the script's end: it
     exits with the script's code, as under `python`. wwrun's cleanup is not its to
     run: it would wait for locks that threads of the launcher held at the fork."""
+    _flush_output(ctx)
+    os._exit(code & 0xFF)  # a child's os._exit is Python's own
+
+
+def _flush_output(ctx: isolation.JobContext) -> None:
     for stream in (ctx.stdout, ctx.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # closed by the script
             pass
-    os._exit(code & 0xFF)  # a child's os._exit is Python's own
 
 
 def _clean_up(job, ctx, session) -> None:
     """Whatever ended the attempt (a second interrupt landing while the first was
     handled, too), the job's streams, namespaces and memory are handed back."""
     isolation.close_interrupts(ctx)  # what follows is wwrun's, not the job's
-    for stream in (ctx.stdout, ctx.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_output(ctx)
     ctx.stdin.close()
     libstate.profiler_sessions.release(ctx)  # a session it never stopped ends with it
     isolation.end_daemon_processes(ctx)  # as at a process's exit: before its namespaces are collected
