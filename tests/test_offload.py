@@ -246,6 +246,21 @@ def test_a_job_that_fits_offloads_nothing_once_measured(tmp_path):
     assert _output(steady) == _output(never)
 
 
+def test_a_first_step_s_optimizer_state_counts_when_auto_decides_the_job_fits(tmp_path):
+    """Adam's state (twice the parameters, 8 MiB here) appears in the first step,
+    after the profiled pass's peak. Weighed against it, the job seemed to fit 36 MiB
+    without offload, stopped stashing and ran out in its second pass (it needs 38)."""
+    args = ["--adam", "--width", "512", "--depth", "4", "--batch", "1024", "--steps", "3"]
+    alone = _run(tmp_path, [JobSpec(name="adam", script=SCRIPT, args=args)], offload="never")
+    assert alone.jobs[0].extra["peak_memory_bytes"] > 36 * MiB
+    result = _run(tmp_path, [JobSpec(name="adam", script=SCRIPT, args=args)], memory_limit=36 * MiB)  # auto
+    job = result.jobs[0]
+    assert job.state == JobState.SUCCEEDED, job.error
+    assert _output(job) == _output(alone.jobs[0])
+    assert result.extra["peak_reserved_bytes"] <= 36 * MiB
+    assert job.extra["fetched_bytes"] == job.extra["offloaded_bytes"] > 0
+
+
 def test_the_unstashed_meter_counts_what_is_on_the_host_as_held():
     held, peak = [0], [0]
 

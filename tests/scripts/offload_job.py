@@ -6,6 +6,7 @@ every step's loss exactly (hex), so that runs with and without offload can be co
 --shapes      the batch alternates between --batch and half of it
 --thread      the training loop runs in a thread the script starts
 --time        last, the median step time after two warm-up steps (benchmarks/offload.py)
+--adam        Adam rather than SGD: optimizer state, twice the parameters, from the first step
 """
 import argparse
 import statistics
@@ -25,6 +26,7 @@ parser.add_argument("--eval", action="store_true")
 parser.add_argument("--shapes", action="store_true")
 parser.add_argument("--thread", action="store_true")
 parser.add_argument("--time", action="store_true")
+parser.add_argument("--adam", action="store_true")
 args = parser.parse_args()
 
 
@@ -55,7 +57,8 @@ model = Model()
 with torch.no_grad():
     for p in model.parameters():
         p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+optimizer = (torch.optim.Adam(model.parameters(), lr=1e-3) if args.adam
+             else torch.optim.SGD(model.parameters(), lr=0.01))
 data = torch.randn(args.batch, args.width, generator=generator)
 
 

@@ -1168,7 +1168,16 @@ class Engine:
         if job is None:
             return
         if job.meter is not None:
-            self._read(job, restart=True)  # the step's own window starts
+            now = self._read(job, restart=True)  # the step's own window starts
+            if job.baseline is not None:
+                with self._lock:
+                    # Forward and backward are over: their peak is weighed against what
+                    # stays now, before a first step's optimizer state stays too. That
+                    # state was not there at the peak: weighed against it after the step,
+                    # the claim lacked Adam's two buffers per parameter, and a job told it
+                    # fit without offload ran out in its second pass.
+                    job.claim = max(job.claim, self._above(job, job.iter_peak, now))
+                    self._note_unstashed_claim(job, now, restart=False)
         if any(ref() is optimizer for ref in job.optimizers):
             return
         job.optimizers.append(weakref.ref(optimizer))
