@@ -839,8 +839,11 @@ def test_conflicting_process_wide_settings_are_named_once(tmp_path):
     warnings = [line for line in done.stderr.splitlines() if "is process-wide" in line]
     assert len(warnings) == 1, done.stderr  # the same benchmark and level everywhere: no warning
     assert "torch.set_float32_matmul_precision" in warnings[0]
-    for name, value in (("settings", "high"), ("settings-2", "highest")):
-        assert f"{name}='{value}'" in warnings[0]
+    # Said at the first conflict: the jobs that had set it by then, whichever two or
+    # three of them the threads' order made that.
+    named = re.findall(r"(settings(?:-\d)?)='(\w+)'", warnings[0])
+    assert len(named) >= 2 and len({value for _, value in named}) == len(named)
+    assert set(named) <= {("settings", "high"), ("settings-2", "highest"), ("settings-3", "medium")}
 
 
 def _as_job(name: str, cwd: Path, watch, body) -> None:
