@@ -1,4 +1,4 @@
-"""Third-party globals seen per job: tqdm's bars and torch.compile's flag."""
+"""Third-party globals seen per job: tqdm's bars, rich's console and torch.compile's flag."""
 
 from __future__ import annotations
 
@@ -91,3 +91,23 @@ def test_a_compile_in_one_job_leaves_another_jobs_optimizer_as_alone(tmp_path):
     assert "compiling: is_compiling True" in logs["compile"]  # as when alone: its own session
     assert "training: is_compiling False" in logs["train"]
     assert logs["train"] == alone
+
+
+def test_a_job_reconfiguring_rich_s_console_leaves_another_job_s_live_bar_alone(tmp_path):
+    """rich keeps one global console. Lightning's RichProgressBar reconfigures it as it
+    starts: another job's bar, live on it, lost its place and failed as it stopped
+    ("IndexError: pop from empty list"). Each job has its own."""
+    rich = pytest.importorskip("rich")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = str(SCRIPTS / "rich_live.py")
+    files = [str(tmp_path / "held"), str(tmp_path / "done")]
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name=role, script=script, args=[role, *files]) for role in ("hold", "reconfigure")],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
+    ))
+    logs = {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    assert logs["hold"].endswith("hold: reconfigured False\n")
+    assert logs["reconfigure"].endswith("reconfigure: reconfigured True\n")
+    assert rich.get_console().width != 123  # the launcher's console is rich's own, untouched

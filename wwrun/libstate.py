@@ -13,6 +13,8 @@ seeing the original.
     matplotlib  pyplot's figures (`Gcf.figs`)    the job's own figures, numbered from 1
     tqdm        its bars (`tqdm._instances`)      the job's own bars: its first bar is at
                                                  position 0, as when alone
+    rich        its global console               the job's own console: `reconfigure`
+                (`rich.get_console()`)           and its live displays stay the job's
 
 Others cannot be made per job, only used by one job at a time. torch's tracers keep
 the trace in progress in module globals (`torch.export`'s module hierarchy and proxy
@@ -184,6 +186,55 @@ def _patch_pylab_helpers(module) -> None:
         module.Gcf.figs = _PerJobFigures(module.Gcf.figs)
 
 
+class _PerJobConsoles:
+    """The console `rich.get_console()` returns to the calling job, made at its first
+    call; None for threads of no job (rich's own global console). Progress bars, live
+    displays and `rich.print` find it there, and `rich.reconfigure` replaces it.
+    Shared, Lightning's RichProgressBar in one job reconfigured the console while
+    another job's bar was live on it: that job's bar then failed as it stopped ("pop
+    from empty list", its live display gone from the console)."""
+
+    def __init__(self):
+        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = forksafe.Lock()
+
+    def __call__(self):
+        job = isolation.current_job()
+        if job is None:
+            return None
+        console = self._by_job.get(job)
+        if console is None:
+            from rich.console import Console
+
+            with self._lock:
+                console = self._by_job.setdefault(job, Console())
+        return console
+
+
+def _get_console():
+    """Runs as `rich.get_console`, in rich's namespace: the job's console, else rich's
+    global one (made at first use, as rich does)."""
+    global _console
+    console = _wwrun_job_console()  # noqa: F821 - rich's globals
+    if console is not None:
+        return console
+    if _console is None:
+        from rich.console import Console
+
+        _console = Console()
+    return _console
+
+
+def _patch_rich(module) -> None:
+    if "_wwrun_job_console" in vars(module):
+        return
+    module._wwrun_job_console = _PerJobConsoles()
+    # Its identity stays, only its code changes: rich's own modules (progress, live,
+    # logging), imported before the jobs by our live table, hold the function itself.
+    # `reconfigure` reaches the job's console through it.
+    module.get_console.__code__ = _get_console.__code__
+
+
 _TRACING = forksafe.RLock()
 _tracer = threading.local()
 
@@ -331,6 +382,7 @@ def _share_inductor_address(codecache) -> None:
 _PATCHES = {
     "matplotlib._pylab_helpers": _patch_pylab_helpers,
     "tqdm.std": _patch_tqdm,
+    "rich": _patch_rich,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
