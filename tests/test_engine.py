@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from wwrun.config import format_size
 from wwrun.memory.engine import Engine, JobTooLarge
 
 F32 = 4
@@ -316,6 +317,19 @@ def test_job_too_large_fails_alone_before_its_first_step_and_others_finish():
     assert "cannot fit even alone" in str(err) and "'huge'" in str(err)
     assert engine.job_report("huge")["iterations"] == 0
     assert engine.run_report()["peak_memory_bytes"] <= capacity + activation_bytes(4 * batch) // 3
+
+
+def test_a_job_too_large_for_what_ended_jobs_left_says_so():
+    """A budget lowered by what ended jobs left allocated (`set_capacity`): the message
+    said "the memory limit is 1.5MiB" under --memory-limit 2MiB."""
+    batch = 256
+    capacity = 3 * param_bytes() + activation_bytes(batch) + 4096
+    engine = Engine(capacity, "waterwave")
+    engine.set_capacity(capacity - activation_bytes(batch))
+    err = run_threads(engine, {"fits-alone": {"batch": batch, "steps": 1}})["fits-alone"]
+    assert isinstance(err, JobTooLarge)
+    assert f"of the {format_size(capacity)} budget ({format_size(activation_bytes(batch))} is what ended jobs" in str(err)
+    assert "cannot fit in the rest even alone" in str(err)
 
 
 def test_model_too_large_for_the_limit_fails_before_any_forward():

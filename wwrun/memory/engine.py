@@ -888,11 +888,16 @@ class Engine:
     def _too_large_message(self, job: _Job, held: int) -> str:
         from wwrun.config import format_size
 
+        room = f"the memory limit is {format_size(self.capacity)}: it cannot fit even alone"
+        if self.limit_bytes is not None and self.capacity < self.limit_bytes:
+            # Said as it is, not "the limit is 1.5MiB" under --memory-limit 2MiB.
+            room = (f"the jobs have {format_size(self.capacity)} of the {format_size(self.limit_bytes)} budget"
+                    f" ({format_size(self.limit_bytes - self.capacity)} is what ended jobs left allocated):"
+                    " it cannot fit in the rest even alone")
         return (
             f"job {job.name!r} needs at least {format_size(job.persistent_reserved + held)}"
             f" ({format_size(job.persistent_reserved)} persistent + {format_size(held)} activations)"
-            f" but the memory limit is {format_size(self.capacity)}: it cannot fit even alone"
-            " (use a smaller batch or model, or raise --memory-limit)"
+            f" but {room} (use a smaller batch or model, or raise --memory-limit)"
         )
 
     def _no_room_message(self, name: str) -> str:
