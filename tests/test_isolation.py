@@ -772,6 +772,26 @@ def test_jobs_importing_a_circular_package_at_once_see_it_whole(tmp_path, fresh_
     assert len(runs) == len(set(runs)), order
 
 
+@pytest.fixture
+def fresh_replaced():
+    sys.modules.pop("replaced", None)
+    yield
+    sys.modules.pop("replaced", None)
+
+
+def test_a_job_waiting_for_a_module_that_replaces_itself_gets_its_names(tmp_path, fresh_replaced, monkeypatch):
+    """transformers puts a lazy module in sys.modules as its import ends. A job that
+    waited for another's import of it was handed the first module object, without the
+    lazy one's names: `from transformers import GPT2Config` failed ("cannot import
+    name") in each job but the first."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
+    marker = tmp_path / "importing"
+    result = run(tmp_path, *(job(role, "imports/import_replaced.py", role, marker) for role in ("first", "second")),
+                 policy="concurrent")
+    assert result.exit_code == 0, [log(result, role, "stderr") for role in ("first", "second")]
+    assert [log(result, role) for role in ("first", "second")] == ["first: VALUE 42\n", "second: VALUE 42\n"]
+
+
 def test_jobs_first_using_torch_inductor_at_once_all_import_it(tmp_path):
     # The failure seen with three jobs whose first AdamW/torch.compile imported
     # torch._inductor together; a fresh process, as torch._inductor must not be loaded.

@@ -46,7 +46,9 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     sys.excepthook,    per job: the script's own prints  `_PerJobName` on sys's and threading's
     threading.excepthook its uncaught errors             classes; `jobthread` calls the former
     first imports      one job at a time (no partially    patched `importlib._bootstrap._find_and_load`
-                       initialized module across jobs)
+                       initialized module across jobs; a  and `_lock_unlock_module`
+                       package that replaced itself in
+                       sys.modules is whole to waiters)
     files written      noted per run: two jobs writing    patched `open`, `os.open`, torch.save's
                        one path are named (`WriteWatch`)  zip writer
 
@@ -1688,8 +1690,33 @@ def _find_and_load(name, import_):
         _first_import_lock.release()
 
 
+class _ReplacedModule(types.ModuleType):
+    """A module that put another object in sys.modules as its import ended (transformers'
+    `_LazyModule`), as a thread that waited for that import holds it: the names it lacks
+    are the replacement's."""
+
+    def __getattr__(self, name):
+        module = vars(self).get("__name__")
+        replacement = sys.modules.get(module)
+        if replacement is None or replacement is self:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return getattr(replacement, name)
+
+
+def _lock_unlock_module(name):
+    """importlib's wait for a module another thread is importing. Python then hands the
+    waiter the module object it found before it waited: for a package that replaces
+    itself in sys.modules, the first object, without the replacement's names. `from
+    transformers import GPT2Config` failed so ("cannot import name") in each job but the
+    first of several that imported it at once; alone, a script never waits here."""
+    found = sys.modules.get(name)
+    _originals["_lock_unlock_module"](name)
+    if type(found) is types.ModuleType and sys.modules.get(name) not in (None, found):
+        found.__class__ = _ReplacedModule
+
+
 _IMPORT_CODES = frozenset({_find_and_load.__code__, _FirstImportLock.acquire.__code__,
-                           _FirstImportLock.release.__code__})
+                           _FirstImportLock.release.__code__, _lock_unlock_module.__code__})
 
 
 # _posixsubprocess.fork_exec's leading positional parameters (stable since 3.2).
@@ -2021,6 +2048,7 @@ def _patch_functions() -> None:
     _originals.update({
         "unraisablehook": sys.unraisablehook,
         "_find_and_load": importlib._bootstrap._find_and_load,
+        "_lock_unlock_module": importlib._bootstrap._lock_unlock_module,
         "atexit.register": atexit.register,
         "atexit.unregister": atexit.unregister,
         "signal.signal": signal.signal,
@@ -2066,6 +2094,7 @@ def _patch_functions() -> None:
     builtins.open = io.open = _Builtin(_open)
     os.open = _Builtin(_os_open)
     importlib._bootstrap._find_and_load = _find_and_load
+    importlib._bootstrap._lock_unlock_module = _lock_unlock_module
     threading.Thread.start = _thread_start
     threading.Thread._bootstrap_inner = _thread_bootstrap_inner
     threading._newname = _thread_name
