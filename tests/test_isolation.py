@@ -36,6 +36,26 @@ def job(name, script, *args, **fields):
     return JobSpec(name=name, script=str(SCRIPTS / script), args=[str(a) for a in args], **fields)
 
 
+def test_a_job_s_own_pythonpath_is_on_its_sys_path(tmp_path):
+    """A recipe's `env: {PYTHONPATH: ...}` was only in the job's environment, never on
+    its sys.path: minGPT's projects (`from mingpt.model import GPT`) failed with "No
+    module named 'mingpt'". Python puts those folders right after the script's."""
+    for who in ("a", "b"):
+        (tmp_path / f"lib_{who}").mkdir()
+        (tmp_path / f"lib_{who}" / "pythonpath_helper.py").write_text(f"WHO = {who!r}\n")
+    script = tmp_path / "uses_helper.py"
+    script.write_text("import sys\nimport pythonpath_helper\nprint(pythonpath_helper.WHO, sys.path[1])\n")
+    result = run(
+        tmp_path,
+        JobSpec(name="a", script=str(script), env={"PYTHONPATH": str(tmp_path / "lib_a")}),
+        JobSpec(name="b", script=str(script), env={"PYTHONPATH": "lib_b"}, cwd=str(tmp_path)),  # from its cwd
+        policy="concurrent",
+    )
+    assert result.exit_code == 0, [log(result, name, "stderr") for name in ("a", "b")]
+    assert log(result, "a") == f"a {tmp_path / 'lib_a'}\n"
+    assert log(result, "b") == f"b {tmp_path / 'lib_b'}\n"
+
+
 def test_same_sibling_module_name_stays_apart(tmp_path):
     result = run(
         tmp_path,

@@ -206,12 +206,22 @@ def enter(job: JobContext) -> None:
     job.main_thread = threading.current_thread()
     if job.path is None:
         launcher_path = sys.__dict__["path"]
-        job.path = [*job.local_roots, *(p for p in launcher_path if p not in job.local_roots)]
+        first = [*job.local_roots, *_own_pythonpath(job, launcher_path)]
+        job.path = [*first, *(p for p in launcher_path if p not in first)]
     _local.job = job
     with _install_lock:  # torch is imported by now (the launcher chose the device)
         _watch_settings()
         _watch_torch_save()
     own_working_directory(job.cwd)
+
+
+def _own_pythonpath(job: JobContext, launcher_path: list[str]) -> list[str]:
+    """The folders of the job's PYTHONPATH (a recipe's `env: {PYTHONPATH: ...}`) that the
+    launcher's path lacks, as Python puts them: right after the script's folder. Only in
+    the job's environment, they were never on its path ("No module named 'mingpt'")."""
+    value = job.environ.get("PYTHONPATH", "")
+    folders = dict.fromkeys(os.path.abspath(os.path.join(job.cwd, p)) for p in value.split(os.pathsep) if p)
+    return [p for p in folders if p not in launcher_path]
 
 
 def leave() -> None:
