@@ -627,6 +627,24 @@ def test_a_job_s_dataloader_workers_end_with_it(tmp_path):
     assert result.wall_s < 2 * MP_STATUS_CHECK_INTERVAL, result.wall_s  # not 4 of them
 
 
+def test_a_run_ends_beside_a_child_a_timed_out_job_left_holding_the_resource_tracker(tmp_path):
+    """The run's end stopped multiprocessing's resource tracker before it ended the
+    jobs' children, and waited for it: the tracker ends only once every holder of its
+    pipe has, and a spawned child of a job its timeout ended held it. The run never
+    ended."""
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--timeout", "2s", "--grace-period", "1s",
+                           "--log-dir", str(tmp_path / "logs"), "--report", str(tmp_path / "report.json"),
+                           str(SCRIPTS / "child_forever.py")], capture_output=True, text=True, timeout=60)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["jobs"][0]["exit_code"] == 124, done.stderr
+    child = int((Path(report["run"]["log_dir"]) / "child_forever" / "stdout.log").read_text())
+    try:
+        state = Path(f"/proc/{child}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")
+
+
 def test_sys_dunder_streams_are_the_job_s_own(tmp_path):
     """`sys.__stdout__` was wwrun's console: `sys.stdout = sys.__stdout__` (restoring
     after a redirect) sent the rest of the job's output there, untagged, in no log."""

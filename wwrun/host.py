@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,44 +141,94 @@ def _proc_descendants(root: int) -> set[int]:
 def end_children(before: set[int]) -> None:
     """End the processes the jobs started (DataLoader workers, spawned children):
     this process's descendants but those in `before` (from `child_pids` at the start).
-    multiprocessing's own helpers the jobs started are stopped as at interpreter exit
-    first: killed, the next run in this process found them gone ("resource_tracker:
-    process died unexpectedly, relaunching" in a job's output), and the tracker frees
-    what the jobs' semaphores and shared memory left behind as it stops."""
-    _stop_multiprocessing_helpers(before)
-    if not child_pids() - before:
-        return  # none (and psutil stays unloaded)
-    import psutil
 
-    try:
-        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    except psutil.Error:
-        return
-    for child in children:
+    multiprocessing's own helpers the jobs started are stopped as at interpreter exit,
+    not killed: killed, the next run in this process found them gone
+    ("resource_tracker: process died unexpectedly, relaunching" in a job's output).
+    The resource tracker goes last: it ends once every process holding its pipe has,
+    and frees what their semaphores and shared memory left behind. Stopped first,
+    the run waited for it for good beside a child a timed-out job left running."""
+    _stop_forkserver(before)
+    if child_pids() - before:
+        import psutil
+
         try:
-            child.terminate()
+            children = psutil.Process().children(recursive=True)
         except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=3)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
+            children = []
+        helpers = _helper_pids()  # read after the listing: one a collection restarted meanwhile is in it
+        children = [p for p in children if p.pid not in before and p.pid not in helpers]
+        for child in children:
+            try:
+                child.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(children, timeout=3)
+        for child in alive:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=3)
+    _stop_resource_tracker(before)
 
 
-def _stop_multiprocessing_helpers(before: set[int]) -> None:
+HELPER_STOP_S = 5.0
+"""How long the resource tracker has to end once told to; then it is killed."""
+
+
+def _helper_pids() -> set[int]:
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    helpers = ((multiprocessing.forkserver._forkserver, "_forkserver_pid"),
-               (multiprocessing.resource_tracker._resource_tracker, "_pid"))
-    for helper, pid in helpers:
-        if getattr(helper, pid, None) not in (None, *before):
-            try:
-                helper._stop()  # closes the pipe it lives on, then reaps it
-            except Exception:  # noqa: BLE001 - a Python without it, or gone already: end_children ends it
-                pass
+    return {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)} - {None}
+
+
+def _stop_forkserver(before: set[int]) -> None:
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) not in (None, *before):
+        try:
+            server._stop()  # closes the pipe it lives on, then reaps it (it ends at once)
+        except Exception:  # noqa: BLE001 - a Python without it, or gone already: end_children ends it
+            pass
+
+
+def _stop_resource_tracker(before: set[int], wait_s: float = HELPER_STOP_S) -> None:
+    """Python's `ResourceTracker._stop`, bounded: it closes the tracker's pipe and waits
+    for the tracker, which ends only once every holder of the pipe has closed it (a
+    process that escaped `end_children` may not); after `wait_s` it is killed. The
+    tracker is then reset, so that the next use starts a fresh one, silently."""
+    import multiprocessing.resource_tracker
+
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    lock = getattr(tracker, "_lock", None)
+    if lock is None or getattr(tracker, "_pid", None) in (None, *before):
+        return
+    with lock:
+        pid, fd = tracker._pid, tracker._fd
+        if pid is None or fd is None:
+            return
+        os.close(fd)
+        tracker._fd = None
+        try:
+            if not _reaped(pid, wait_s):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # reaped elsewhere
+        tracker._pid = None
+
+
+def _reaped(pid: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def freeze_launcher_objects() -> Callable[[], None]:
