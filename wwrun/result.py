@@ -155,16 +155,16 @@ class RunResult:
 
 def run_exit_code(results: list[JobResult]) -> tuple[int, str | None]:
     """(the run's exit code, its root cause): the code of the earliest failure and its
-    job; else, when jobs were only interrupted (Ctrl-C, SIGTERM), the earliest one's
-    code and no job (none of them caused it); else 130 when a job was cancelled; else 0."""
+    job; else, when jobs were only interrupted (Ctrl-C, SIGTERM) or cancelled, 130 and
+    no job: none of them caused it, whatever code a script chose on its way out
+    (Lightning exits 1 on KeyboardInterrupt) or a cancelled job kept from an attempt
+    before it was queued again; else 0."""
     failures = sorted((r for r in results if r.exit_code not in (0, None)), key=lambda r: r.ended or float("inf"))
-    caused = [r for r in failures if r.state != JobState.INTERRUPTED]
+    caused = [r for r in failures if r.state not in (JobState.INTERRUPTED, JobState.CANCELLED)]
     if caused:
         return caused[0].exit_code, caused[0].name
-    if failures:
-        return failures[0].exit_code, None
-    cancelled = any(r.state == JobState.CANCELLED for r in results)
-    return (EXIT_INTERRUPTED if cancelled else 0), None
+    stopped = any(r.state in (JobState.INTERRUPTED, JobState.CANCELLED) for r in results)
+    return (EXIT_INTERRUPTED if stopped else 0), None
 
 
 def attempt_folder(folder: Path, attempt: int, retries: int) -> Path:

@@ -452,6 +452,7 @@ class Runner:
             state = JobState.FAILED
         if state == JobState.FAILED and job.no_room and self._may_retry(job, counted=False):
             # It fits alone: not a failure of the script's, which starts again from the top.
+            result.exit_code = result.error = None
             job.attempts -= 1
             job.no_room_since = time.monotonic()
             self._requeue(job, NO_ROOM_YET)
