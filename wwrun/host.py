@@ -6,6 +6,7 @@ the processes the jobs started.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -207,11 +208,14 @@ def _stop_resource_tracker(before: set[int], wait_s: float = HELPER_STOP_S) -> N
     lock = getattr(tracker, "_lock", None)
     if lock is None or getattr(tracker, "_pid", None) in (None, *before):
         return
-    with lock:
+    if not lock.acquire(timeout=wait_s):
+        return  # an abandoned job's thread is inside it: left as it is, running
+    try:
         pid, fd = tracker._pid, tracker._fd
         if pid is None or fd is None:
             return
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
         tracker._fd = None
         try:
             if not _reaped(pid, wait_s):
@@ -220,6 +224,8 @@ def _stop_resource_tracker(before: set[int], wait_s: float = HELPER_STOP_S) -> N
         except ChildProcessError:
             pass  # reaped elsewhere
         tracker._pid = None
+    finally:
+        lock.release()
 
 
 def _reaped(pid: int, wait_s: float) -> bool:
