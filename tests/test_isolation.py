@@ -190,6 +190,17 @@ def test_module_job_runs_like_python_dash_m(tmp_path):
     assert "module main=__main__ package=mypkg value=42 argv=['--flag']" in log(result, "mod")
 
 
+def test_a_job_s_environ_is_python_s_own_mapping_type_holding_its_variables(tmp_path):
+    """A plain dict failed what code may ask of `os.environ`: Hydra's `vars(os.environ)`
+    (TypeError), so that every `@hydra.main` script failed under wwrun."""
+    result = run(tmp_path, job("a", "environ_type.py"), job("b", "environ_type.py"))
+    assert result.exit_code == 0, [log(result, n, "stderr") for n in ("a", "b")]
+    for name in ("a", "b"):
+        # As under python, but C's getenv: the launcher's environment (the README's table).
+        assert log(result, name) == "True dict dict yes yes False None\nTypeError: str expected, not int\n"
+    assert "SET_BY_JOB" not in os.environ
+
+
 def test_launcher_state_is_untouched_by_jobs(tmp_path):
     import os
 

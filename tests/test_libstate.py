@@ -1,4 +1,5 @@
-"""Third-party globals seen per job: tqdm's bars, rich's console and torch.compile's flag."""
+"""Third-party globals seen per job: tqdm's bars, rich's console, Hydra's singletons and
+torch.compile's flag."""
 
 from __future__ import annotations
 
@@ -111,3 +112,43 @@ def test_a_job_reconfiguring_rich_s_console_leaves_another_job_s_live_bar_alone(
     assert logs["hold"].endswith("hold: reconfigured False\n")
     assert logs["reconfigure"].endswith("reconfigure: reconfigured True\n")
     assert rich.get_console().width != 123  # the launcher's console is rich's own, untouched
+
+
+def test_hydra_s_singletons_of_the_run_in_progress_are_each_job_s_and_its_registries_shared(tmp_path, monkeypatch):
+    """Hydra keeps `GlobalHydra` (and `HydraConfig`, `JobRuntime`) as singletons of one
+    metaclass: a second job's `@hydra.main` failed at once, "GlobalHydra is already
+    initialized". Its registries (the config store) stay shared, as modules fill them
+    at import. The metaclass here is Hydra's shape with our view of its instances."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
+    monkeypatch.delitem(sys.modules, "singletons", raising=False)
+    script = str(SCRIPTS / "imports" / "singletons_job.py")
+    result = launch(LaunchConfig(jobs=[JobSpec(name=n, script=script) for n in ("one", "two")],
+                                 policy="sequential", log_dir=str(tmp_path / "logs"), quiet=True))
+    logs = [(Path(result.log_dir) / n / "stdout.log").read_text() for n in ("one", "two")]
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    assert logs == ["run 1 registry 2\n", "run 3 registry 2\n"]
+
+
+def test_hydra_runs_in_two_jobs_at_once(tmp_path):
+    """The real library, where it is installed (it is not one of wwrun's dependencies)."""
+    pytest.importorskip("hydra")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("seed: 0\n")
+    script = tmp_path / "hydra_job.py"
+    script.write_text(
+        "import os\nimport hydra\nfrom hydra.core.hydra_config import HydraConfig\n\n"
+        "@hydra.main(version_base=None, config_path='conf', config_name='config')\n"
+        "def main(cfg):\n"
+        "    print('seed', cfg.seed, 'env', type(os.environ).__name__ != 'dict', HydraConfig.get().run.dir)\n\n"
+        "main()\n")
+    jobs = [JobSpec(name=f"h{seed}", script=str(script), args=[f"seed={seed}", f"hydra.run.dir={tmp_path}/runs/h{seed}"])
+            for seed in (1, 2)]
+    result = launch(LaunchConfig(jobs=jobs, policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    for seed in (1, 2):
+        assert (Path(result.log_dir) / f"h{seed}" / "stdout.log").read_text() == \
+            f"seed {seed} env True {tmp_path}/runs/h{seed}\n"

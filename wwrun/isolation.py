@@ -12,8 +12,9 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
     __main__           the job's own module object        `_MainModule` proxy in sys.modules
     sibling modules    private copies (`from model ...`)  `_JobLocalFinder` + `_SharedName` proxies
     sys.argv, sys.path the job's own plain lists          `_PerJobName` on sys's class
-    os.environ         launcher env + job env + WWRUN_*   `_PerJobName` on os's class (a plain
-                       (a plain dict)                     dict), `_ThreadEnviron` for os.getenv
+    os.environ         launcher env + job env + WWRUN_*   `_PerJobName` on os's class (a
+                       (a `JobEnviron`: os._Environ's     `JobEnviron`), `_ThreadEnviron`
+                       type, no putenv)                   for os.getenv
     stdin/out/err      the job's pipes (logs, display),   `_PerJobName` + `_ThreadStream`
                        or what the job assigned (a Tee);
                        stdin: the launcher's for a lone   `job_stdin`
@@ -53,9 +54,10 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
                        one path are named (`WriteWatch`)  zip writer
 
 Assigning one of these names in a job (`sys.argv = [...]`, `os.environ = {...}`,
-`sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv, path and environ
-are real `list`/`dict` objects, so `json.dumps(sys.argv)`, `os.environ | {}` and
-`torch.save({'argv': sys.argv})` behave as under `python`.
+`sys.stdout = Tee(...)`) rebinds it for that job only. The job's argv and path are
+real lists and its environ Python's own mapping type, so `json.dumps(sys.argv)`,
+`os.environ | {}`, `vars(os.environ)` and `torch.save({'argv': sys.argv})` behave as
+under `python`.
 
 What stays shared (documented for users): C-level `getenv`, torch's global flags
 (cuDNN, TF32, matmul precision, default dtype, intra-op threads, deterministic
@@ -134,13 +136,46 @@ def killed_by(signum: int) -> type[KilledBySignal]:
     return kind
 
 
+class JobEnviron(os._Environ):
+    """A job's `os.environ`: Python's own mapping type, so that what code may ask of
+    it is there as under `python` (`vars(os.environ)`, its `_data`, `isinstance(...,
+    os._Environ)`: Hydra's checks ask all three, and a plain dict failed them). It holds
+    the job's variables only: setting one changes neither the process's C
+    environment (`putenv`) nor another job's."""
+
+    def __init__(self, variables=()):
+        real = _originals.get("os.environ", os.environ)
+        codecs = getattr(real, "encodekey", None), getattr(real, "decodekey", None)
+        values = getattr(real, "encodevalue", None), getattr(real, "decodevalue", None)
+        if None in (*codecs, *values):  # a process whose os.environ is not os's own
+            codecs = values = (_fs_encode, os.fsdecode)
+        super().__init__({}, *codecs, *values)
+        self.update(variables)
+
+    def __setitem__(self, key, value):
+        self._data[self.encodekey(key)] = self.encodevalue(value)
+
+    def __delitem__(self, key):
+        try:
+            del self._data[self.encodekey(key)]
+        except KeyError:
+            raise KeyError(key) from None
+
+
+def _fs_encode(value: str) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"str expected, not {type(value).__name__}")
+    return os.fsencode(value)
+
+
 @dataclass(eq=False)
 class JobContext:
     """Everything a running job sees in place of the process's own state."""
 
     name: str
     argv: list[str]
-    environ: dict[str, str]
+    environ: JobEnviron
+    """Its `os.environ` (made from the mapping it is given)."""
     cwd: str
     local_roots: list[str]
     """Folders whose modules are private to this job (the script's folder)."""
@@ -198,6 +233,10 @@ class JobContext:
     """The uncaught exception's traceback, once the job failed with one."""
     writes: WriteWatch | None = None
     """The run's record of the files its jobs write (None: not watched)."""
+
+    def __post_init__(self):
+        if not isinstance(self.environ, JobEnviron):
+            self.environ = JobEnviron(self.environ)
 
 
 def enter(job: JobContext) -> None:
@@ -744,9 +783,9 @@ class _PerJobName:
     A data descriptor on the module's class: Python code's `sys.argv`, `sys.argv =
     [...]`, `from os import environ` reach it; the module's dict keeps what C code and
     the module's own functions read (`print` finds the `_ThreadStream`, `os.getenv` the
-    `_ThreadEnviron`). In a job the value is the job's own plain object (a real list or
-    dict: `json.dumps`, pickle and `torch.save` see nothing of wwrun); elsewhere it is
-    the launcher's, unchanged.
+    `_ThreadEnviron`). In a job the value is the job's own object (a real list, or
+    a `JobEnviron`: `json.dumps`, pickle and `torch.save` see nothing of wwrun's);
+    elsewhere it is the launcher's, unchanged.
     """
 
     def __init__(self, module: types.ModuleType, field: str, launcher_key: str | None = None):

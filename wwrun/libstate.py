@@ -15,6 +15,11 @@ seeing the original.
                                                  position 0, as when alone
     rich        its global console               the job's own console: `reconfigure`
                 (`rich.get_console()`)           and its live displays stay the job's
+    hydra       its singletons of the run in     the job's own `GlobalHydra`,
+                progress (`Singleton._instances`) `HydraConfig`, `JobRuntime` and
+                                                 `VersionBase`; its registries (config
+                                                 store, plugins) stay shared, as modules
+                                                 fill them at import
 
 Others cannot be made per job, only used by one job at a time. torch's tracers keep
 the trace in progress in module globals (`torch.export`'s module hierarchy and proxy
@@ -235,6 +240,63 @@ def _patch_rich(module) -> None:
     module.get_console.__code__ = _get_console.__code__
 
 
+_HYDRA_PER_JOB = frozenset({"hydra.core.global_hydra.GlobalHydra", "hydra.core.hydra_config.HydraConfig",
+                            "hydra.core.utils.JobRuntime", "hydra.version.VersionBase"})
+
+
+class _PerJobSingletons(collections.abc.MutableMapping):
+    """Hydra's `Singleton._instances` (class -> its one instance) as the calling job
+    sees it: the singletons of a `@hydra.main` run in progress are the job's own, the
+    registries that modules fill at import are shared. Shared, a second job's
+    `@hydra.main` failed at once ("GlobalHydra is already initialized"), and
+    `HydraConfig.get()` would have been another job's."""
+
+    def __init__(self, shared: dict):
+        self._shared = shared
+        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = forksafe.Lock()
+
+    def _target(self, cls) -> dict:
+        job = isolation.current_job()
+        if job is None or f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}" not in _HYDRA_PER_JOB:
+            return self._shared
+        with self._lock:
+            return self._by_job.setdefault(job, {})
+
+    def _view(self) -> dict:
+        job = isolation.current_job()
+        own = self._by_job.get(job, {}) if job is not None else {}
+        return {**self._shared, **own}
+
+    def __getitem__(self, cls):
+        return self._target(cls)[cls]
+
+    def __setitem__(self, cls, instance):
+        self._target(cls)[cls] = instance
+
+    def __delitem__(self, cls):
+        del self._target(cls)[cls]
+
+    def __contains__(self, cls):
+        return cls in self._target(cls)
+
+    def __iter__(self):
+        return iter(self._view())
+
+    def __len__(self):
+        return len(self._view())
+
+    def __deepcopy__(self, memo):  # `Singleton.get_state()`: what the calling job sees, as a plain dict
+        import copy
+
+        return copy.deepcopy(self._view(), memo)
+
+
+def _patch_hydra_singletons(module) -> None:
+    if not isinstance(module.Singleton._instances, _PerJobSingletons):
+        module.Singleton._instances = _PerJobSingletons(module.Singleton._instances)
+
+
 _TRACING = forksafe.RLock()
 _tracer = threading.local()
 
@@ -383,6 +445,7 @@ _PATCHES = {
     "matplotlib._pylab_helpers": _patch_pylab_helpers,
     "tqdm.std": _patch_tqdm,
     "rich": _patch_rich,
+    "hydra.core.singleton": _patch_hydra_singletons,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
