@@ -7,6 +7,7 @@ concurrently in each test through the library API.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -199,6 +200,25 @@ def test_a_job_s_environ_is_python_s_own_mapping_type_holding_its_variables(tmp_
         # As under python, but C's getenv: the launcher's environment (the README's table).
         assert log(result, name) == "True dict dict yes yes False None\nTypeError: str expected, not int\n"
     assert "SET_BY_JOB" not in os.environ
+
+
+def test_each_job_s_logging_basic_config_writes_its_own_file(tmp_path):
+    """The root logger's handlers were the process's: the first job's `basicConfig`
+    took every job's records into its file, and the others' calls did nothing (Hydra's
+    job logging, a dictConfig, replaced one job's handlers with another's)."""
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    names = ("a", "b")
+    launchers = list(logging.getLogger().handlers)  # pytest's own
+    result = run(tmp_path, *(job(n, "basic_config.py", tmp_path / f"{n}.log", n, rendezvous, len(names))
+                             for n in names), policy="concurrent")
+    assert result.exit_code == 0, [log(result, n, "stderr") for n in names]
+    for name in names:
+        assert (tmp_path / f"{name}.log").read_text() == (
+            f"root {name} step 0\nlibrary {name} from a shared logger\n"
+            f"root {name} step 1\nlibrary {name} from a shared logger\n")
+        assert log(result, name) == "handlers 1\n"
+    assert logging.getLogger().handlers == launchers
 
 
 def test_launcher_state_is_untouched_by_jobs(tmp_path):

@@ -34,6 +34,8 @@ sees that job's `JobContext`; any other thread sees the original objects, unchan
                        watchdog dumps and ends the job    `dump_traceback_later`...
     logging.getLogger  the job's own for `__main__` and   patched `logging.Manager.getLogger`
     (__name__)         its private modules' names
+    logging's root     the job's own handlers (its        `_JobRootLogger` as the root's class
+    handlers           basicConfig, dictConfig)
     runpy's __main__   swaps the job's main module        patched `runpy._TempModule`
     child processes    job's env, cwd and output pipes    patched `_posixsubprocess.fork_exec`
     multiprocessing's  per job (`set_start_method` once   `_PerJobStartMethod` on its default
@@ -61,7 +63,7 @@ under `python`.
 
 What stays shared (documented for users): C-level `getenv`, torch's global flags
 (cuDNN, TF32, matmul precision, default dtype, intra-op threads, deterministic
-algorithms), `logging`'s root configuration, warning filters: `settings_watch` warns
+algorithms), `logging`'s root level, warning filters: `settings_watch` warns
 once when jobs set one of them to different values.
 """
 
@@ -224,6 +226,8 @@ class JobContext:
     """Its `faulthandler.dump_traceback_later`, while one is armed."""
     loggers: dict = field(default_factory=dict)
     """Its own `logging.getLogger(__name__)` loggers: `__main__`'s and its modules'."""
+    root_handlers: list = field(default_factory=list)
+    """The root logger's handlers as the job sees them (`basicConfig`, `dictConfig`)."""
     gc_enabled: bool = True
     gc_threshold: tuple | None = None
     """What its `gc.disable()` / `gc.set_threshold` said (None: the process's thresholds)."""
@@ -292,6 +296,13 @@ def release(job: JobContext) -> None:
     job.rebound.clear()
     job.threads[:] = [t for t in job.threads if t.is_alive()]
     if not job.threads:
+        # What `logging.shutdown` does at a process's exit: its root handlers flushed
+        # and closed (a file handler's file with it).
+        for handler in job.root_handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+                handler.close()
+        job.root_handlers = []
         for namespace in namespaces:
             compiled = _compiled_globals(namespace)
             namespace.clear()
@@ -1393,6 +1404,33 @@ def _patch_logging() -> None:
             logger._cache.clear()
 
     type(manager).getLogger, type(manager)._clear_cache = get_logger, clear_cache
+    if not isinstance(logging.root, _JobRootLogger):
+        logging.root.__class__ = _JobRootLogger
+
+
+class _JobRootLogger(logging.RootLogger):
+    """The root logger, whose handlers are each job's own, as in a process of its own:
+    a job's `logging.basicConfig(filename=...)` or Hydra's job logging
+    (`logging.config.dictConfig`) configures the root handlers its records reach.
+    Shared, the first job's configuration took every job's records (`basicConfig` is a
+    no-op once the root has a handler) and a dictConfig replaced another job's. The
+    root's level stays one for the process (loggers cache what it enables)."""
+
+    @property
+    def handlers(self):
+        job = current_job()
+        return job.root_handlers if job is not None else self.__dict__["handlers"]
+
+    @handlers.setter
+    def handlers(self, value):
+        job = current_job()
+        if job is not None:
+            job.root_handlers = value
+        else:
+            self.__dict__["handlers"] = value
+
+
+_JobRootLogger.__name__ = _JobRootLogger.__qualname__ = "RootLogger"  # its repr as Python's
 
 
 def _own_logger_name(job: JobContext, name: str) -> bool:
@@ -1933,8 +1971,7 @@ def _watch_torch_save() -> None:
 class _SettingsWatch:
     """Says once, per setting, which jobs' own code set different values of a
     process-wide setting (a torch flag, the default dtype, logging's level, warning
-    filters): they then all run with one of them (the last set; for
-    `logging.basicConfig`, the first), not each with its own.
+    filters): they then all run with one of them (the last set), not each with its own.
 
     Per job already: `torch.set_default_device` (thread-local in torch), grad mode,
     autocast. The rest is read by C++ kernels from one global and cannot be per job.
