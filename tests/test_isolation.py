@@ -202,16 +202,17 @@ def test_a_job_s_environ_is_python_s_own_mapping_type_holding_its_variables(tmp_
     assert "SET_BY_JOB" not in os.environ
 
 
-def test_each_job_s_logging_basic_config_writes_its_own_file(tmp_path):
+def test_each_job_s_logging_configuration_writes_its_own_file(tmp_path):
     """The root logger's handlers were the process's: the first job's `basicConfig`
-    took every job's records into its file, and the others' calls did nothing (Hydra's
-    job logging, a dictConfig, replaced one job's handlers with another's)."""
+    took every job's records into its file, and the others' calls did nothing. A
+    `dictConfig` (Hydra's job logging) replaced the other jobs' handlers, and closed
+    every handler of the process: one opened with mode "w" dropped its records."""
     rendezvous = tmp_path / "rendezvous"
     rendezvous.mkdir()
-    names = ("a", "b")
+    names = {"a": "basic", "b": "basic", "c": "dict"}
     launchers = list(logging.getLogger().handlers)  # pytest's own
-    result = run(tmp_path, *(job(n, "basic_config.py", tmp_path / f"{n}.log", n, rendezvous, len(names))
-                             for n in names), policy="concurrent")
+    result = run(tmp_path, *(job(n, "basic_config.py", tmp_path / f"{n}.log", n, rendezvous, len(names), how)
+                             for n, how in names.items()), policy="concurrent")
     assert result.exit_code == 0, [log(result, n, "stderr") for n in names]
     for name in names:
         assert (tmp_path / f"{name}.log").read_text() == (

@@ -15,6 +15,8 @@ seeing the original.
                                                  position 0, as when alone
     rich        its global console               the job's own console: `reconfigure`
                 (`rich.get_console()`)           and its live displays stay the job's
+    logging.config  `dictConfig` and `fileConfig`    the job's own root handlers only
+                first close every handler
     hydra       its singletons of the run in     the job's own `GlobalHydra`,
                 progress (`Singleton._instances`) `HydraConfig`, `JobRuntime` and
                                                  `VersionBase`; its registries (config
@@ -297,6 +299,31 @@ def _patch_hydra_singletons(module) -> None:
         module.Singleton._instances = _PerJobSingletons(module.Singleton._instances)
 
 
+def _patch_logging_config(module) -> None:
+    """`logging.config.dictConfig` and `fileConfig` first close every handler of the
+    process (`_clearExistingHandlers`): in a job, another job's file handler opened
+    with mode "w" then dropped its records for good. In a job they close the job's own
+    root handlers, the ones its configuration replaces (the root's handlers are each
+    job's, isolation's `_JobRootLogger`)."""
+    clear = module._clearExistingHandlers
+    if getattr(clear, "__wwrun_per_job__", False):
+        return
+
+    @functools.wraps(clear)
+    def clear_existing_handlers():
+        job = isolation.current_job()
+        if job is None:
+            return clear()
+        module.logging._handlers.clear()  # the names a configuration's handlers are known by
+        for handler in job.root_handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+                handler.close()
+
+    clear_existing_handlers.__wwrun_per_job__ = True
+    module._clearExistingHandlers = clear_existing_handlers
+
+
 _TRACING = forksafe.RLock()
 _tracer = threading.local()
 
@@ -446,6 +473,7 @@ _PATCHES = {
     "tqdm.std": _patch_tqdm,
     "rich": _patch_rich,
     "hydra.core.singleton": _patch_hydra_singletons,
+    "logging.config": _patch_logging_config,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
