@@ -1,5 +1,5 @@
-"""Third-party globals seen per job: tqdm's bars, rich's console, Hydra's singletons and
-torch.compile's flag."""
+"""Third-party globals seen per job: tqdm's bars, rich's console, Hydra's singletons,
+accelerate's state and torch.compile's flag."""
 
 from __future__ import annotations
 
@@ -152,3 +152,48 @@ def test_hydra_runs_in_two_jobs_at_once(tmp_path):
     for seed in (1, 2):
         assert (Path(result.log_dir) / f"h{seed}" / "stdout.log").read_text() == \
             f"seed {seed} env True {tmp_path}/runs/h{seed}\n"
+
+
+def test_accelerate_s_state_is_each_job_s_own(tmp_path, monkeypatch):
+    """accelerate's `PartialState`, `AcceleratorState` and `GradientState` are Borgs
+    (every instance's `__dict__` is one class attribute dict): two jobs' Accelerators
+    were one, each job's `accumulate()` synced on the other's steps, and both trained
+    to other losses than under `python`. The class here is that shape with our view."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
+    monkeypatch.delitem(sys.modules, "borg", raising=False)
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    script = str(SCRIPTS / "imports" / "borg_job.py")
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name=f"s{steps}", script=script, args=[str(steps), str(rendezvous), "2"]) for steps in (2, 4)],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    for steps in (2, 4):
+        assert (Path(result.log_dir) / f"s{steps}" / "stdout.log").read_text() == \
+            f"accumulation steps {steps} shared {{'accumulation_steps': {steps}}}\n"
+
+
+def test_accelerate_trains_two_jobs_at_once_as_alone(tmp_path):
+    """The real library, where it is installed (it is not one of wwrun's dependencies):
+    gradient accumulation's syncs are each job's own."""
+    pytest.importorskip("accelerate")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = tmp_path / "accelerate_job.py"
+    script.write_text(
+        "import sys\nimport torch\nfrom accelerate import Accelerator\n"
+        "accelerator = Accelerator(cpu=True, gradient_accumulation_steps=int(sys.argv[1]))\n"
+        "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model, opt = accelerator.prepare(model, opt)\nsyncs = []\nfor step in range(6):\n"
+        "    with accelerator.accumulate(model):\n"
+        "        accelerator.backward(model(torch.ones(2, 4)).sum())\n"
+        "        syncs.append(accelerator.sync_gradients)\n        opt.step()\n        opt.zero_grad()\n"
+        "print(syncs)\n")
+    result = launch(LaunchConfig(jobs=[JobSpec(name=f"a{n}", script=str(script), args=[str(n)]) for n in (2, 3)],
+                                 policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    for n in (2, 3):
+        expected = [(step + 1) % n == 0 for step in range(6)]
+        assert (Path(result.log_dir) / f"a{n}" / "stdout.log").read_text() == f"{expected}\n"

@@ -17,6 +17,9 @@ seeing the original.
                 (`rich.get_console()`)           and its live displays stay the job's
     logging.config  `dictConfig` and `fileConfig`    the job's own root handlers only
                 first close every handler
+    accelerate  its Borg state (`PartialState`,  the job's own: its process and
+                `AcceleratorState`,              accumulation state
+                `GradientState._shared_state`)
     hydra       its singletons of the run in     the job's own `GlobalHydra`,
                 progress (`Singleton._instances`) `HydraConfig`, `JobRuntime` and
                                                  `VersionBase`; its registries (config
@@ -299,6 +302,48 @@ def _patch_hydra_singletons(module) -> None:
         module.Singleton._instances = _PerJobSingletons(module.Singleton._instances)
 
 
+class _PerJobSharedState:
+    """A Borg class's shared state as the calling job sees it: accelerate's
+    `PartialState`, `AcceleratorState` and `GradientState` keep theirs in a class
+    attribute dict that every instance's `__dict__` is. Shared, two jobs' Accelerators
+    were one: each job's `accumulate()` synced on the other's steps, and both trained
+    to other losses than under `python`. Each job's is its own, as in a process of its
+    own (accelerate keeps it per thread itself on TPUs, `ThreadLocalSharedDict`)."""
+
+    def __init__(self, shared: dict):
+        self._shared = shared
+        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = forksafe.Lock()
+
+    def __get__(self, obj, objtype=None) -> dict:
+        job = isolation.current_job()
+        if job is None:
+            return self._shared
+        state = self._by_job.get(job)
+        if state is None:
+            with self._lock:
+                state = self._by_job.setdefault(job, {})
+        return state
+
+    def __set__(self, obj, value) -> None:
+        job = isolation.current_job()
+        if job is None:
+            self._shared = value
+        else:
+            with self._lock:
+                self._by_job[job] = value
+
+
+_ACCELERATE_BORGS = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def _patch_accelerate_state(module) -> None:
+    for name in _ACCELERATE_BORGS:
+        cls = getattr(module, name, None)
+        if cls is not None and not isinstance(cls.__dict__.get("_shared_state"), _PerJobSharedState):
+            cls._shared_state = _PerJobSharedState(cls._shared_state)
+
+
 def _patch_logging_config(module) -> None:
     """`logging.config.dictConfig` and `fileConfig` first close every handler of the
     process (`_clearExistingHandlers`): in a job, another job's file handler opened
@@ -474,6 +519,7 @@ _PATCHES = {
     "rich": _patch_rich,
     "hydra.core.singleton": _patch_hydra_singletons,
     "logging.config": _patch_logging_config,
+    "accelerate.state": _patch_accelerate_state,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
