@@ -580,14 +580,17 @@ class Runner:
             host.end_children(self._children_before)
             isolation._originals.get("os._exit", os._exit)(EXIT_INTERRUPTED)
         self._interrupted_at = time.monotonic()
-        self.display.note(
-            f"interrupted: stopping every job (up to {self.config.grace_period_s:g}s; again to force)"
-        )
+        # The jobs first, the note after: writing it hands the GIL back to a job thread,
+        # and a job reading from DataLoader workers the same Ctrl-C is ending took a
+        # batch from a dead worker meanwhile (FileNotFoundError) instead of its interrupt.
         for job in self.jobs:
             started = job.thread is not None and not job.result.state.is_final  # running, waiting or admitting
             if started and job.context and job.context.thread_id:
                 job.interrupted = True
                 isolation.deliver_signal(job.context, signum)
+        self.display.note(
+            f"interrupted: stopping every job (up to {self.config.grace_period_s:g}s; again to force)"
+        )
 
 
     def _relay_signal(self, signum, frame) -> None:
