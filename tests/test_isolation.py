@@ -481,6 +481,26 @@ def test_each_job_sets_its_own_multiprocessing_start_method(tmp_path, recwarn):
     assert [str(w.message) for w in recwarn if "resource_tracker" in str(w.message)] == []
 
 
+def test_a_run_forgets_a_resource_tracker_that_ended_before_it(recwarn):
+    """A tracker this process started that has since ended (killed here) is forgotten at
+    a run's start, as a fresh process has none: the run's jobs start their own without
+    "resource_tracker: process died unexpectedly, relaunching" in their output."""
+    import multiprocessing.resource_tracker
+
+    from wwrun import host
+
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    tracker.ensure_running()
+    os.kill(tracker._pid, signal.SIGKILL)
+    os.waitid(os.P_PID, tracker._pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    host.forget_dead_resource_tracker()
+    assert tracker._fd is None and tracker._pid is None
+    tracker.ensure_running()  # a fresh one, silently
+    assert [str(w.message) for w in recwarn if "resource_tracker" in str(w.message)] == []
+    host.forget_dead_resource_tracker()  # alive: left as it is
+    assert tracker._fd is not None and os.waitpid(tracker._pid, os.WNOHANG) == (0, 0)
+
+
 def test_each_job_s_forkserver_workers_run_in_its_environment_and_print_to_its_log(tmp_path):
     """multiprocessing's forkserver was one for the process, started in the first job's
     environment and output: the other job's workers ran there."""

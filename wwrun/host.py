@@ -228,6 +228,30 @@ def _stop_resource_tracker(before: set[int], wait_s: float = HELPER_STOP_S) -> N
         lock.release()
 
 
+def forget_dead_resource_tracker() -> None:
+    """At a run's start: a resource tracker this process started and that has since
+    ended (whatever ended it) is forgotten, as a fresh process has none, so that the
+    run's jobs start their own without Python's "resource_tracker: process died
+    unexpectedly, relaunching" in their output. A live one is left as it is."""
+    import multiprocessing.resource_tracker
+
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    lock = getattr(tracker, "_lock", None)
+    if lock is None or getattr(tracker, "_fd", None) is None or not lock.acquire(timeout=HELPER_STOP_S):
+        return
+    try:
+        pid = tracker._pid
+        if pid is None or not _reaped(pid, 0.0):
+            return  # alive (or not ours to look at)
+        with contextlib.suppress(OSError):
+            os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
+    except ChildProcessError:
+        pass
+    finally:
+        lock.release()
+
+
 def _reaped(pid: int, wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while os.waitpid(pid, os.WNOHANG) == (0, 0):

@@ -173,6 +173,7 @@ class Runner:
 
     def _run(self) -> RunResult:
         start_run_folder(self.config, self.run_dir, self.display.note)
+        host.forget_dead_resource_tracker()
         self._children_before = host.child_pids()
         end_subreaper = host.become_subreaper()
         self._crash_log = host.CrashLog(self.run_dir)
