@@ -235,21 +235,13 @@ def forget_dead_resource_tracker() -> None:
     unexpectedly, relaunching" in their output. A live one is left as it is."""
     import multiprocessing.resource_tracker
 
-    tracker = multiprocessing.resource_tracker._resource_tracker
-    lock = getattr(tracker, "_lock", None)
-    if lock is None or getattr(tracker, "_fd", None) is None or not lock.acquire(timeout=HELPER_STOP_S):
-        return
+    pid = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
     try:
-        pid = tracker._pid
-        if pid is None or not _reaped(pid, 0.0):
-            return  # alive (or not ours to look at)
-        with contextlib.suppress(OSError):
-            os.close(tracker._fd)
-        tracker._fd = tracker._pid = None
-    except ChildProcessError:
-        pass
-    finally:
-        lock.release()
+        ended = pid is not None and _reaped(pid, 0.0)
+    except ChildProcessError:  # not ours to look at
+        return
+    if ended:
+        _stop_resource_tracker(set(), 0.0)  # its pipe closed and the tracker reset
 
 
 def _reaped(pid: int, wait_s: float) -> bool:

@@ -63,6 +63,7 @@ import importlib.abc
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 
 from wwrun import forksafe, isolation
 
@@ -72,15 +73,11 @@ class _PerJobFigures(collections.abc.MutableMapping):
 
     def __init__(self, shared: collections.OrderedDict):
         self._shared = shared
-        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = forksafe.Lock()
+        self._own = _JobValues(collections.OrderedDict)
 
     def _target(self) -> collections.OrderedDict:
-        job = isolation.current_job()
-        if job is None:
-            return self._shared
-        with self._lock:
-            return self._by_job.setdefault(job, collections.OrderedDict())
+        own = self._own.mine()
+        return self._shared if own is None else own
 
     def __getitem__(self, key):
         return self._target()[key]
@@ -126,24 +123,14 @@ class _PerJobBars:
 
     def __init__(self, shared):
         self._shared = shared
-        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Reentrant: a collection inside may close an abandoned bar, which removes it.
-        # Fork-safe: a DataLoader worker forked while another job's bar held it draws bars too.
-        self._lock = forksafe.RLock()
+        self._own = _JobValues(weakref.WeakSet)
 
     def _target(self):
-        job = isolation.current_job()
-        if job is None:
-            return self._shared
-        bars = self._by_job.get(job)
-        if bars is None:
-            with self._lock:
-                bars = self._by_job.setdefault(job, weakref.WeakSet())
-        return bars
+        own = self._own.mine()
+        return self._shared if own is None else own
 
     def _all(self) -> list:
-        with self._lock:
-            sets = [self._shared, *self._by_job.values()]
+        sets = [self._shared, *self._own.all()]
         return [bar for bars in sets for bar in list(bars)]
 
     def add(self, bar) -> None:
@@ -156,9 +143,7 @@ class _PerJobBars:
         if bar in own:
             own.remove(bar)
             return
-        with self._lock:
-            sets = [self._shared, *self._by_job.values()]
-        for bars in sets:
+        for bars in [self._shared, *self._own.all()]:
             if bar in bars:
                 bars.discard(bar)
                 return
@@ -196,29 +181,53 @@ def _patch_pylab_helpers(module) -> None:
         module.Gcf.figs = _PerJobFigures(module.Gcf.figs)
 
 
-class _PerJobConsoles:
-    """The console `rich.get_console()` returns to the calling job, made at its first
-    call; None for threads of no job (rich's own global console). Progress bars, live
-    displays and `rich.print` find it there, and `rich.reconfigure` replaces it.
-    Shared, Lightning's RichProgressBar in one job reconfigured the console while
-    another job's bar was live on it: that job's bar then failed as it stopped ("pop
-    from empty list", its live display gone from the console)."""
+class _JobValues:
+    """One value per job, made at the calling job's first ask (`make()`) and gone with
+    the job; threads of no job have none (None)."""
 
-    def __init__(self):
+    def __init__(self, make: Callable[[], object]):
+        self._make = make
         self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = forksafe.Lock()
+        # Reentrant: a collection inside may close an abandoned tqdm bar, which removes
+        # it. Fork-safe: a DataLoader worker forked while another job held it uses it too.
+        self._lock = forksafe.RLock()
 
-    def __call__(self):
+    def mine(self):
         job = isolation.current_job()
         if job is None:
             return None
-        console = self._by_job.get(job)
-        if console is None:
-            from rich.console import Console
-
+        value = self._by_job.get(job)
+        if value is None:
             with self._lock:
-                console = self._by_job.setdefault(job, Console())
-        return console
+                value = self._by_job.get(job)
+                if value is None:
+                    value = self._by_job[job] = self._make()
+        return value
+
+    def peek(self):
+        """The calling job's value if it has one yet, without making it."""
+        job = isolation.current_job()
+        return self._by_job.get(job) if job is not None else None
+
+    def all(self) -> list:
+        """Every job's value."""
+        with self._lock:
+            return list(self._by_job.values())
+
+    def set_mine(self, value) -> bool:
+        """False for a thread of no job (nothing set)."""
+        job = isolation.current_job()
+        if job is None:
+            return False
+        with self._lock:
+            self._by_job[job] = value
+        return True
+
+
+def _new_console():
+    from rich.console import Console
+
+    return Console()
 
 
 def _get_console():
@@ -238,7 +247,12 @@ def _get_console():
 def _patch_rich(module) -> None:
     if "_wwrun_job_console" in vars(module):
         return
-    module._wwrun_job_console = _PerJobConsoles()
+    # The console `rich.get_console()` gives a job: progress bars, live displays and
+    # `rich.print` find it there, and `rich.reconfigure` replaces it. Shared,
+    # Lightning's RichProgressBar in one job reconfigured the console while another
+    # job's bar was live on it: that bar then failed as it stopped ("pop from empty
+    # list", its live display gone from the console).
+    module._wwrun_job_console = _JobValues(_new_console).mine
     # Its identity stays, only its code changes: rich's own modules (progress, live,
     # logging), imported before the jobs by our live table, hold the function itself.
     # `reconfigure` reaches the job's console through it.
@@ -258,20 +272,16 @@ class _PerJobSingletons(collections.abc.MutableMapping):
 
     def __init__(self, shared: dict):
         self._shared = shared
-        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = forksafe.Lock()
+        self._own = _JobValues(dict)
 
     def _target(self, cls) -> dict:
-        job = isolation.current_job()
-        if job is None or f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}" not in _HYDRA_PER_JOB:
+        if f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}" not in _HYDRA_PER_JOB:
             return self._shared
-        with self._lock:
-            return self._by_job.setdefault(job, {})
+        own = self._own.mine()
+        return self._shared if own is None else own
 
     def _view(self) -> dict:
-        job = isolation.current_job()
-        own = self._by_job.get(job, {}) if job is not None else {}
-        return {**self._shared, **own}
+        return {**self._shared, **(self._own.peek() or {})}
 
     def __getitem__(self, cls):
         return self._target(cls)[cls]
@@ -312,26 +322,15 @@ class _PerJobSharedState:
 
     def __init__(self, shared: dict):
         self._shared = shared
-        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = forksafe.Lock()
+        self._own = _JobValues(dict)
 
     def __get__(self, obj, objtype=None) -> dict:
-        job = isolation.current_job()
-        if job is None:
-            return self._shared
-        state = self._by_job.get(job)
-        if state is None:
-            with self._lock:
-                state = self._by_job.setdefault(job, {})
-        return state
+        state = self._own.mine()
+        return self._shared if state is None else state
 
     def __set__(self, obj, value) -> None:
-        job = isolation.current_job()
-        if job is None:
+        if not self._own.set_mine(value):
             self._shared = value
-        else:
-            with self._lock:
-                self._by_job[job] = value
 
 
 _ACCELERATE_BORGS = ("PartialState", "AcceleratorState", "GradientState")
