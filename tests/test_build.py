@@ -133,6 +133,46 @@ def test_a_part_that_does_not_compile_is_a_clear_error(tmp_path, extensions):
     assert "WWRUN_BUILD_VERBOSE=1" in message
 
 
+NUMBERS = textwrap.dedent("""\
+    #include <Python.h>
+    #include <sstream>
+    #include <string>
+    // What every out-of-memory message of the allocator does: numbers into a stream.
+    static PyObject* formatted(PyObject*, PyObject* arg) {
+      std::ostringstream out;
+      out << PyLong_AsUnsignedLong(arg) << " bytes";
+      const std::string text = out.str();
+      return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+    }
+    static PyMethodDef methods[] = {{"formatted", formatted, METH_O, nullptr}, {nullptr}};
+    static PyModuleDef def = {PyModuleDef_HEAD_INIT, "numbers_probe", nullptr, -1, methods};
+    PyMODINIT_FUNC PyInit_numbers_probe(void) { return PyModule_Create(&def); }
+""")
+
+
+def test_a_part_built_by_a_toolchain_that_links_libstdcxx_statically_formats_numbers(tmp_path, extensions):
+    """A CUDA image's CXX (a g++ wrapper adding -static-libstdc++) gave the allocator
+    a copy of libstdc++ beside the one torch loaded: on an H200 every out-of-memory
+    message crashed the process, and here the same build formats numbers as ''."""
+    static_archive = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True)
+    if not os.path.isabs(static_archive.stdout.strip()):
+        pytest.skip("this g++ cannot link libstdc++ statically")
+    wrapper = tmp_path / "g++"
+    wrapper.write_text('#!/bin/sh\nexec g++ "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    source = tmp_path / "probe" / "numbers_probe.cpp"
+    source.parent.mkdir()
+    source.write_text(NUMBERS)
+    done = subprocess.run(
+        [sys.executable, "-c", "from wwrun import build; print(repr(build.load("
+                               f"'numbers_probe', [{str(source)!r}], what='the probe').formatted(12345)))"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CXX": str(wrapper)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "'12345 bytes'"
+
+
 def test_rng_refuses_to_run_without_its_extension(tmp_path, extensions, monkeypatch):
     from wwrun import rng
 

@@ -18,7 +18,9 @@ the folder by name only (two checkouts rebuild each other's extension in turn).
 - once built (`built` marker), later processes import the library directly: no
   lock, no compiler;
 - a build prints one line on stderr while it runs, and a failure raises
-  `BuildError` (the part cannot run without it).
+  `BuildError` (the part cannot run without it);
+- the library links the process's own C++ runtime (`libstdc++.so.6`, the one torch
+  loaded), never a copy of its own: see `_LDFLAGS`.
 
 Not built at install time: pip builds a package in an isolated environment without
 the user's torch (`pip install -e .` builds nothing at all), and the library must
@@ -45,6 +47,12 @@ _SOURCE_SUFFIXES = {".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"}
 _MARKER = "built"
 _CUDA_RUNTIME_HEADER = Path("include") / "cuda_runtime_api.h"
 TOOLKIT_DEFAULT = Path("/usr/local/cuda")
+# Some toolchains link libstdc++ statically by default (a CUDA image's CXX wrapper
+# does: `-static-libstdc++`). Such a library carries its own copy beside the shared
+# one torch loaded, and the two disagree on locale facets: formatting a number into
+# an ostringstream (every out-of-memory message) then writes nothing, or crashes.
+# Naming the shared library before the driver's own libraries binds to it.
+_LDFLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 class BuildError(RuntimeError):
@@ -112,6 +120,7 @@ def _key(sources: Sequence[Path], flags: Sequence[str], include_paths: Sequence[
     for part in (
         *[source.name for source in sources],  # which files are compiled, in order
         *flags,
+        *_LDFLAGS,
         torch.__version__,
         str(torch.version.cuda),
         str(torch.version.hip),
@@ -186,6 +195,7 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
             sources=[str(source) for source in sources],
             extra_cflags=list(extra_cflags),
             extra_include_paths=[str(p) for p in extra_include_paths],
+            extra_ldflags=_LDFLAGS,
             build_directory=str(folder),
             with_cuda=with_cuda,
             verbose=verbose,
