@@ -12,7 +12,8 @@ the mix's largest single tensor 2%, 10% or 25% of the limit. Each mix runs throu
 wwrun's launcher (`wwrun --device D --memory-limit L job : job ...`) under
 `--policy waterwave`, then under `--policy sequential` for the wall-time ratio. On a
 GPU (`--device cuda`) wwrun's allocator holds the budget in the driver's 2 MiB pages
-and the jobs' tensors are on the GPU; the mixes are the same.
+and the jobs' tensors are on the GPU; the mixes are the same, and each job's stream
+workspaces (cuBLAS's, 65 MiB each on an H200) come on top of the limit (`budget`).
 
 Reported: jobs lost (target 0), each classified by its error: `admission` when the
 jobs the engine let in held more than the limit allows (device allocated + the request
@@ -165,12 +166,29 @@ def classify(error: str | None, limit: int) -> str | None:
     return "fragmentation" if allocated + _bytes(*request.group(1, 2)) <= limit else "admission"
 
 
+def budget(limit: int, jobs: int) -> int:
+    """The --memory-limit of a mix whose jobs share `limit`. On CUDA each job at once
+    also has its stream's cuBLAS workspaces (65 MiB on an H200 with CUDA 13), inside
+    wwrun's limit (`Memory.fixed_bytes`) and inside each process's allocator: the
+    grid's limits are the jobs' own bytes, as on the CPU, and the workspaces come on
+    top, for wwrun and for the processes alike."""
+    if DEVICE != "cuda":
+        return limit
+    import torch
+
+    from wwrun.memory import allocator
+
+    return limit + jobs * allocator.measure_headroom(torch.cuda.current_device()).stream_fixed_bytes
+
+
 def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True, processes: bool = False) -> dict:
     jobs = [(JOB_SCRIPT, [*args, "--device", DEVICE]) for args in mix(limit, fraction, seed)]
-    result = launch(jobs, "waterwave", limit)
-    lost = [classify(job.error, limit) for job in result.jobs if job.state.value != "succeeded"]
+    total = budget(limit, len(jobs))
+    result = launch(jobs, "waterwave", total)
+    lost = [classify(job.error, total) for job in result.jobs if job.state.value != "succeeded"]
     figures = {
-        "limit_mib": limit // MiB, "tensor_fraction": fraction, "seed": seed, "jobs": len(jobs),
+        "limit_mib": limit // MiB, "memory_limit_bytes": total, "tensor_fraction": fraction, "seed": seed,
+        "jobs": len(jobs),
         "lost": len(lost), "lost_by": {kind: lost.count(kind) for kind in set(lost)},
         "errors": [job.error for job in result.jobs if job.error],
         "allocator": result.extra["allocator"],  # checked by launch()
@@ -179,9 +197,9 @@ def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True, pro
         "wall_s": round(result.wall_s, 3),
     }
     if sequential and not lost:
-        figures["sequential_wall_s"] = round(launch(jobs, "sequential", limit).wall_s, 3)
+        figures["sequential_wall_s"] = round(launch(jobs, "sequential", total).wall_s, 3)
     if processes:
-        figures["processes"] = torch_processes([args for _, args in jobs], limit)
+        figures["processes"] = torch_processes([args for _, args in jobs], total)
     return figures
 
 
@@ -280,10 +298,11 @@ def scenario_loop(runs: int) -> dict:
     """The two scenarios of issue 20, `runs` times each: runs that lost a job."""
     limit = quickstart_limit()
     temporary = os.path.join(REPO, "tests", "scripts", "big_temporary.py")
+    quickstart = os.path.join(REPO, "recipes", "quickstart.yaml")
+    jobs = len(load_recipe(quickstart).jobs)
     scenarios = {
-        "quickstart": lambda: _launch_recipe(load_recipe(os.path.join(REPO, "recipes", "quickstart.yaml")),
-                                             "waterwave", limit),
-        "temporary_120mib_x3": lambda: launch([(temporary, ["40", "120"])] * 3, "waterwave", 200 * MiB),
+        "quickstart": lambda: _launch_recipe(load_recipe(quickstart), "waterwave", budget(limit, jobs)),
+        "temporary_120mib_x3": lambda: launch([(temporary, ["40", "120"])] * 3, "waterwave", budget(200 * MiB, 3)),
     }
     figures = {"quickstart_limit_bytes": limit}
     for name, run in scenarios.items():
@@ -348,7 +367,8 @@ def grid_figures(args) -> dict:
     # The process's first launch pays its one-time costs (the job script's imports, the
     # first hooks: 1.1 s with no job computing), which made the first cell 0.27x
     # sequential: one untimed job first.
-    launch([(JOB_SCRIPT, [*mix(limits[0], TENSOR_FRACTIONS[0], 0)[0], "--device", DEVICE])], "waterwave", limits[0])
+    launch([(JOB_SCRIPT, [*mix(limits[0], TENSOR_FRACTIONS[0], 0)[0], "--device", DEVICE])], "waterwave",
+           budget(limits[0], 1))
     runs = []
     started = time.perf_counter()
     for limit, fraction, seed in grid(limits, TENSOR_FRACTIONS, seeds):
