@@ -369,16 +369,18 @@ def test_a_job_over_its_limit_alone_gets_out_of_memory():
 
 @pytest.mark.gpu
 def test_rule_f_a_job_waits_for_another_s_frees_instead_of_running_out_of_memory():
-    """B asks for more than the device has left while A, about to free, holds most of
-    it: B waits (rule f) and gets A's memory, instead of torch.OutOfMemoryError.
-    B allocates from a thread marked as its job's (as the launcher marks a job's
-    thread): rule f never waits in an unmarked one."""
-    out = run_fresh("""
+    """B asks for more than the run's limit has left while A, about to free, holds
+    most of it: B waits (rule f) and gets A's memory, instead of
+    torch.OutOfMemoryError. B allocates from a thread marked as its job's (as the
+    launcher marks a job's thread): rule f never waits in an unmarked one. Under a
+    limit, as every run on a GPU is (the device's capacity at most): without one, a
+    request the device cannot give asks the driver page by page until it refuses
+    (on an H200, A's free landed meanwhile and B got its pages without a wait)."""
+    out = run_fresh(limit_to_room_for(1 << 30) + """
         import time
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
-        free, _ = torch.cuda.mem_get_info()
-        size = int(free * 0.7)
+        size = 1 << 30
         with torch.cuda.stream(s1):
             held = torch.empty(size, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
