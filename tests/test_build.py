@@ -77,6 +77,16 @@ def test_identical_sources_share_one_build_and_different_ones_do_not(tmp_path, e
     assert load_in_child(first).stdout.split() == ["42"]  # the first build is still there
 
 
+def test_a_build_leaves_the_next_part_s_folder_where_it_was(tmp_path, extensions):
+    """torch appends its libraries to the link flags it is given: a build that handed
+    it wwrun's own list moved every later part's folder (its key holds the flags), so
+    `wwrun build` built where no run looked."""
+    first, second = tiny_tree(tmp_path / "a"), tiny_tree(tmp_path / "b", answer=7)
+    folder = build.build_directory("tiny", [second])
+    build.load("tiny", [first], what="the tiny part")
+    assert build.build_directory("tiny", [second]) == folder
+
+
 def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(tmp_path, extensions):
     source = tiny_tree(tmp_path / "src")
     folder = build.build_directory("tiny", [source])

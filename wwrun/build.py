@@ -52,7 +52,7 @@ TOOLKIT_DEFAULT = Path("/usr/local/cuda")
 # one torch loaded, and the two disagree on locale facets: formatting a number into
 # an ostringstream (every out-of-memory message) then writes nothing, or crashes.
 # Naming the shared library before the driver's own libraries binds to it.
-_LDFLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
+_LDFLAGS = ("-l:libstdc++.so.6",) if sys.platform.startswith("linux") else ()
 
 
 class BuildError(RuntimeError):
@@ -195,7 +195,7 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
             sources=[str(source) for source in sources],
             extra_cflags=list(extra_cflags),
             extra_include_paths=[str(p) for p in extra_include_paths],
-            extra_ldflags=_LDFLAGS,
+            extra_ldflags=list(_LDFLAGS),  # a copy: torch appends its libraries to it
             build_directory=str(folder),
             with_cuda=with_cuda,
             verbose=verbose,
