@@ -183,6 +183,24 @@ def test_a_part_built_by_a_toolchain_that_links_libstdcxx_statically_formats_num
     assert done.stdout.splitlines()[-1] == "'12345 bytes'"
 
 
+def test_a_linker_that_cannot_find_libstdcxx_by_its_soname_gets_the_compiler_s_default(tmp_path, extensions):
+    wrapper = tmp_path / "g++"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-l:libstdc++.so.6" ] && '
+                       '{ echo "ld: cannot find -l:libstdc++.so.6" >&2; exit 1; }; done\nexec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    source = tmp_path / "checkout" / "tiny.cpp"
+    source.parent.mkdir()
+    # Named by TORCH_EXTENSION_NAME, as wwrun's parts are: torch names a second build
+    # of one name in a process `<name>_v1`.
+    source.write_text("#define ANSWER 42\n" + TINY.replace('"tiny"', "NAME_OF(TORCH_EXTENSION_NAME)")
+                      .replace("PyInit_tiny", "INIT_OF(TORCH_EXTENSION_NAME)")
+                      .replace("#include <Python.h>", "#include <Python.h>\n#define STR(x) #x\n"
+                               "#define NAME_OF(x) STR(x)\n#define INIT(x) PyInit_##x\n#define INIT_OF(x) INIT(x)"))
+    done = load_in_child(source, CXX=str(wrapper))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["42"]
+
+
 def test_rng_refuses_to_run_without_its_extension(tmp_path, extensions, monkeypatch):
     from wwrun import rng
 

@@ -51,7 +51,8 @@ TOOLKIT_DEFAULT = Path("/usr/local/cuda")
 # does: `-static-libstdc++`). Such a library carries its own copy beside the shared
 # one torch loaded, and the two disagree on locale facets: formatting a number into
 # an ostringstream (every out-of-memory message) then writes nothing, or crashes.
-# Naming the shared library before the driver's own libraries binds to it.
+# Naming the shared library before the driver's own libraries binds to it; a linker
+# that cannot find it by that name gets the compiler's default (`_build`).
 _LDFLAGS = ("-l:libstdc++.so.6",) if sys.platform.startswith("linux") else ()
 
 
@@ -189,17 +190,28 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
     verbose = os.environ.get("WWRUN_BUILD_VERBOSE") == "1"
     print(f"wwrun: building {what} (first run only) ...", file=sys.stderr, flush=True)
     started = time.monotonic()
-    try:
-        module = cpp_extension.load(
+
+    def compile_and_link(ldflags: list[str]):
+        return cpp_extension.load(
             name=name,
             sources=[str(source) for source in sources],
             extra_cflags=list(extra_cflags),
             extra_include_paths=[str(p) for p in extra_include_paths],
-            extra_ldflags=list(_LDFLAGS),  # a copy: torch appends its libraries to it
+            extra_ldflags=ldflags,  # a fresh list: torch appends its libraries to it
             build_directory=str(folder),
             with_cuda=with_cuda,
             verbose=verbose,
         )
+
+    try:
+        try:
+            module = compile_and_link(list(_LDFLAGS))
+        except Exception as exc:  # noqa: BLE001
+            if not _LDFLAGS or "libstdc++.so.6" not in str(exc):
+                raise
+            # A linker that does not find it by that name (a toolchain with its own
+            # library folders): the compiler's default, relinking the objects built.
+            module = compile_and_link([])
     except Exception as exc:  # noqa: BLE001 - a compiler error: its last lines say what failed
         raise BuildError(
             f"wwrun: could not build {what} in {folder}: {_summary(exc)} "
