@@ -175,6 +175,53 @@ def test_accelerate_s_state_is_each_job_s_own(tmp_path, monkeypatch):
             f"accumulation steps {steps} shared {{'accumulation_steps': {steps}}}\n"
 
 
+def test_wandb_s_run_in_progress_is_each_job_s_own(tmp_path, monkeypatch):
+    """`wandb.init` puts its run in wandb's module globals (`wandb.run`, `.config`,
+    `.log`, `.summary`): a second job's init took the first job's over, whose
+    `wandb.config.seed` then read the other's and whose `wandb.summary` lacked its own
+    metrics (KeyError). The module here is that shape with our view."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
+    monkeypatch.delitem(sys.modules, "run_globals", raising=False)
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    script = str(SCRIPTS / "imports" / "run_globals_job.py")
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name=name, script=script, args=[name, str(rendezvous), "2"]) for name in ("a", "b")],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    for name in ("a", "b"):
+        assert (Path(result.log_dir) / name / "stdout.log").read_text() == f"{name} {{'name': '{name}'}}\n"
+    import run_globals
+
+    assert (run_globals.run, run_globals.config) == (None, {})  # a thread of no job: the module's own
+
+
+def test_wandb_logs_two_jobs_at_once_as_alone(tmp_path):
+    """The real library, where it is installed (it is not one of wwrun's dependencies),
+    offline: each job's config and summary are its own, and a run the script leaves
+    open is finished by wandb's teardown, before the run's end ends wandb's service."""
+    pytest.importorskip("wandb")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = tmp_path / "wandb_job.py"
+    script.write_text(
+        "import sys\nimport wandb\nseed = int(sys.argv[1])\n"
+        "run = wandb.init(mode='offline', project='p', name=f'job{seed}', config={'seed': seed})\n"
+        "for step in range(5):\n    wandb.log({'loss': seed * step})\n"
+        "print(wandb.config.seed, wandb.summary['loss'])\n")  # no wandb.finish(): the teardown's
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name=f"w{seed}", script=str(script), args=[str(seed)], cwd=str(tmp_path),
+                      env={"WANDB_SILENT": "true"}) for seed in (1, 2)],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    for seed in (1, 2):
+        assert (Path(result.log_dir) / f"w{seed}" / "stdout.log").read_text() == f"{seed} {seed * 4}\n"
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and all(run.stat().st_size > 1000 for run in runs), [r.stat().st_size for r in runs]
+
+
 def test_accelerate_trains_two_jobs_at_once_as_alone(tmp_path):
     """The real library, where it is installed (it is not one of wwrun's dependencies):
     gradient accumulation's syncs are each job's own."""

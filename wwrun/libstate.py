@@ -20,6 +20,9 @@ seeing the original.
     accelerate  its Borg state (`PartialState`,  the job's own: its process and
                 `AcceleratorState`,              accumulation state
                 `GradientState._shared_state`)
+    wandb       the run in progress in module    the job's own run, `wandb.config`,
+                globals (`wandb.run`, `.config`,  `.log`, `.summary`...
+                `.log`, `.summary`...)
     hydra       its singletons of the run in     the job's own `GlobalHydra`,
                 progress (`Singleton._instances`) `HydraConfig`, `JobRuntime` and
                                                  `VersionBase`; its registries (config
@@ -343,6 +346,50 @@ def _patch_accelerate_state(module) -> None:
             cls._shared_state = _PerJobSharedState(cls._shared_state)
 
 
+class _PerJobModuleAttribute:
+    """A module global as the calling job sees it: what the job set, else the module's
+    own value (what threads of no job, and jobs that set nothing, see)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._own = _JobValues(lambda: None)  # (value,) once the job set it: None is a value
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        held = self._own.peek()
+        if held is not None:
+            return held[0]
+        try:
+            return module.__dict__[self._name]
+        except KeyError:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {self._name!r}") from None
+
+    def __set__(self, module, value) -> None:
+        if not self._own.set_mine((value,)):
+            module.__dict__[self._name] = value
+
+
+def per_job_attributes(module, names) -> None:
+    """Make the module globals `names` per job (`_PerJobModuleAttribute`), through a
+    subclass of the module's type: module attributes cannot be descriptors otherwise."""
+    if getattr(type(module), "_wwrun_per_job", None) is not None:
+        return
+    attributes = {name: _PerJobModuleAttribute(name) for name in names}
+    module.__class__ = type(type(module).__name__, (type(module),), {**attributes, "_wwrun_per_job": tuple(names)})
+
+
+# wandb.init puts its run's methods in wandb's module globals (`set_global`), and its
+# finish puts back placeholders (`unset_globals`): shared, a second job's init took the
+# first job's `wandb.config`, `wandb.log` and `wandb.summary` over.
+_WANDB_GLOBALS = ("run", "config", "log", "summary", "save", "use_artifact", "log_artifact", "define_metric",
+                  "alert", "mark_preempting", "log_model", "use_model", "link_model", "watch", "unwatch")
+
+
+def _patch_wandb(module) -> None:
+    per_job_attributes(module, _WANDB_GLOBALS)
+
+
 def _patch_logging_config(module) -> None:
     """`logging.config.dictConfig` and `fileConfig` first close every handler of the
     process (`_clearExistingHandlers`): in a job, another job's file handler opened
@@ -519,6 +566,7 @@ _PATCHES = {
     "hydra.core.singleton": _patch_hydra_singletons,
     "logging.config": _patch_logging_config,
     "accelerate.state": _patch_accelerate_state,
+    "wandb": _patch_wandb,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
