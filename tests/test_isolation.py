@@ -57,6 +57,42 @@ def test_a_job_s_own_pythonpath_is_on_its_sys_path(tmp_path):
     assert log(result, "b") == f"b {tmp_path / 'lib_b'}\n"
 
 
+def test_a_folder_beside_the_script_named_like_an_installed_package_leaves_the_package(tmp_path, monkeypatch):
+    """A folder without `__init__.py` beside the script (wandb's `wandb/` run folder, a
+    `datasets/` of data files) was taken for the job's own namespace package: `import
+    wandb` got that empty folder ("module 'wandb' has no attribute 'init'"), where
+    `python` imports the installed package. A folder whose name nothing else provides
+    is still the job's own."""
+    for name in ("wsgiref", "wsgiref.util"):  # a stdlib package, here the installed one
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "wsgiref").mkdir()
+    (tmp_path / "wsgiref" / "notes.txt").write_text("a run's files\n")
+    (tmp_path / "own_folder").mkdir()
+    (tmp_path / "own_folder" / "helper.py").write_text("WHO = 'mine'\n")
+    script = tmp_path / "beside_folders.py"
+    script.write_text("import wsgiref.util\nfrom own_folder import helper\n"
+                      "print(wsgiref.util.guess_scheme({}), helper.WHO)\n")
+    result = run(tmp_path, JobSpec(name="a", script=str(script)), JobSpec(name="b", script=str(script)),
+                 policy="concurrent")
+    assert result.exit_code == 0, [log(result, name, "stderr") for name in ("a", "b")]
+    assert [log(result, name) for name in ("a", "b")] == ["http mine\n"] * 2
+
+
+def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path, monkeypatch):
+    """wandb's service is a process the job starts; its teardown, registered with atexit,
+    finishes the runs a script left open. The run's end ended the service first, and
+    the teardown at the launcher's exit met a closed connection: a run without
+    `wandb.finish()` lost its data ("Exception ignored in atexit callback ...
+    ConnectionResetError"). The run's end now runs such handlers first."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))  # a library: the launcher's path
+    monkeypatch.delitem(sys.modules, "exit_service", raising=False)
+    written = tmp_path / "service.out"
+    result = run(tmp_path, job("a", "imports/exit_service_job.py", written))
+    assert result.exit_code == 0, log(result, "a", "stderr")
+    assert log(result, "a") == "started\n"
+    assert written.read_text() == "finished"
+
+
 def test_same_sibling_module_name_stays_apart(tmp_path):
     result = run(
         tmp_path,

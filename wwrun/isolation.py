@@ -89,6 +89,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -966,10 +967,23 @@ def _find_private_spec(job: JobContext, name: str):
     it added to its `sys.path`) or in one of its private packages, else None."""
     parent, _, _ = name.rpartition(".")
     if not parent:
-        return importlib.machinery.PathFinder.find_spec(name, job.local_roots) or _in_added_folder(job, name)
+        spec = importlib.machinery.PathFinder.find_spec(name, job.local_roots)
+        if spec is not None and spec.loader is None and _found_elsewhere(job, name):
+            spec = None
+        return spec or _in_added_folder(job, name)
     package = job.modules.get(parent) or _load_private(job, parent)
     search = getattr(package, "__path__", None)
     return importlib.machinery.PathFinder.find_spec(name, list(search)) if search else None
+
+
+def _found_elsewhere(job: JobContext, name: str) -> bool:
+    """Whether `name`, a folder of the job's without `__init__.py` (a namespace portion:
+    a `wandb/` run folder, a `datasets/` of data files), is found outside the job's own
+    folders too. Under `python` a module or regular package further along the path wins
+    over such a folder (the installed `wandb` is imported whatever sits beside the
+    script), and namespace portions elsewhere join it in one shared package."""
+    elsewhere = [entry for entry in (job.path or sys.path) if entry not in job.local_roots]
+    return importlib.machinery.PathFinder.find_spec(name, elsewhere) is not None
 
 
 def _in_added_folder(job: JobContext, name: str):
@@ -1047,11 +1061,16 @@ class _JobLocalLoader(importlib.abc.Loader):
 
 def _atexit_register(func, *args, **kwargs):
     """Handlers registered by a job's own code run when that job ends; those registered
-    by libraries it imports stay process-wide (e.g. logging's shutdown)."""
+    by libraries it imports stay process-wide (e.g. logging's shutdown), and those a
+    library registers from a job's thread also run at the run's end
+    (`run_library_exit_handlers`)."""
     job = current_job()
     if job is not None and _called_from_job_code(job):
         job.atexit_handlers.append((func, args, kwargs))
         return func
+    if job is not None:
+        with _library_exit_lock:
+            _library_exit_handlers.append((func, args, kwargs))
     return _originals["atexit.register"](func, *args, **kwargs)
 
 
@@ -1059,7 +1078,47 @@ def _atexit_unregister(func):
     job = current_job()
     if job is not None:
         job.atexit_handlers[:] = [h for h in job.atexit_handlers if h[0] != func]
+    with _library_exit_lock:
+        _library_exit_handlers[:] = [h for h in _library_exit_handlers if h[0] != func]
     _originals["atexit.unregister"](func)
+
+
+_library_exit_handlers: list = []
+"""(func, args, kwargs) that libraries registered with atexit from the jobs' threads."""
+_library_exit_lock = forksafe.Lock()
+LIBRARY_EXIT_WAIT_S = 30.0
+"""How long a run's end waits for the libraries' exit handlers (a service's teardown)."""
+
+
+def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRARY_EXIT_WAIT_S) -> None:
+    """At a run's end, before the jobs' leftover processes are ended: the atexit handlers
+    libraries registered from the jobs' threads, last first, once (taken off Python's
+    list), as each job's process would run them at its exit.
+
+    A library's service process is one of those leftovers: wandb's, whose teardown at
+    exit finishes the runs a script left open. Ended first, its teardown at the
+    launcher's exit met a closed connection, and a run without `wandb.finish()` lost
+    its data. Bounded: a handler still running after `wait_s` is left to finish on its
+    own, and the run's end goes on."""
+    with _library_exit_lock:
+        handlers, _library_exit_handlers[:] = _library_exit_handlers[::-1], []
+    if not handlers:
+        return
+
+    def run_all():
+        for func, args, kwargs in handlers:
+            _originals["atexit.unregister"](func)
+            try:
+                func(*args, **kwargs)
+            except BaseException:  # noqa: BLE001 - reported as Python reports it at exit
+                print(f"Exception ignored in atexit callback: {func!r}", file=sys.__stderr__)
+                traceback.print_exc(file=sys.__stderr__)
+
+    runner = threading.Thread(target=run_all, name="wwrun-library-exit", daemon=True)
+    runner.start()
+    runner.join(wait_s)
+    if runner.is_alive():
+        note(f"libraries' exit handlers still run after {wait_s:.0f} s: going on without them")
 
 
 def _called_from_job_code(job: JobContext) -> bool:

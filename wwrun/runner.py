@@ -190,6 +190,7 @@ class Runner:
             thaw()
             restore_threads()
             restore_signals()
+            isolation.run_library_exit_handlers(self.display.note)  # before their services are ended
             host.end_children(self._children_before)
             end_subreaper()
             self._crash_log.close()  # still here: no crash to tell of
