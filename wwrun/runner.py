@@ -189,8 +189,9 @@ class Runner:
         finally:
             thaw()
             restore_threads()
+            # Before their services are ended; while a second Ctrl-C still ends the run.
+            isolation.run_library_exit_handlers(self.display.note)
             restore_signals()
-            isolation.run_library_exit_handlers(self.display.note)  # before their services are ended
             host.end_children(self._children_before)
             end_subreaper()
             self._crash_log.close()  # still here: no crash to tell of
