@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -324,3 +325,18 @@ def test_build_makes_every_part_ahead_of_a_run():
     assert main(["build"]) == 0
     for kind in ("host", "cpu"):
         assert any(allocator.build_directory(kind).glob("*.so")), kind
+
+
+def test_a_ctrl_c_at_start_up_delivered_twice_ends_quietly_and_a_later_one_at_once():
+    """`timeout` (or a terminal and a wrapper) delivers one Ctrl-C twice: at start-up,
+    before the run's handler, Python raised the second in `threading._shutdown`, a
+    traceback after "wwrun: interrupted". The same press is let go; a later one ends
+    the process at once."""
+    code = ("import os, signal, time\nfrom wwrun import host\nhost.end_at_a_later_interrupt(130)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.05)\nprint('let go', flush=True)\n"
+            "time.sleep(host.SAME_PRESS_S + 0.1)\nos.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(60)\nprint('not ended')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stdout, done.stderr) == (130, "let go\n", "")
+

@@ -227,7 +227,7 @@ def test_second_interrupt_ends_the_process_at_once(tmp_path):
     )
     _wait_for_line(proc, "ready")
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)  # a second press, not the first one delivered twice (runner.SAME_PRESS_S)
+    time.sleep(1.0)  # a second press, not the first one delivered twice (host.SAME_PRESS_S)
     proc.send_signal(signal.SIGINT)
     code = proc.wait(timeout=10)
     assert code == 130, proc.stderr.read()

@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wwrun: error: {one_line(str(_as_flag(err)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
+        from wwrun import host
+
+        host.end_at_a_later_interrupt(EXIT_INTERRUPTED)
         print("wwrun: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BuildError as err:  # a C++ part the run needs (its message says which and why)

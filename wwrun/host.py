@@ -33,6 +33,30 @@ as the signal's default action would end its process. Left to their default here
 one ended the whole run at once, with no summary."""
 
 
+SAME_PRESS_S = 0.25
+"""A second interrupt this soon after the first is the same one: `timeout -s INT`
+signals the launcher and then its process group (the launcher in it). Only a later
+one forces the stop."""
+
+
+def end_at_a_later_interrupt(exit_code: int) -> None:
+    """After a Ctrl-C outside a run (start-up, the summary), while the process exits: a
+    later one ends it at once, and the same one delivered twice is let go. Python's
+    own handler raised it again in `threading._shutdown`, a traceback after "wwrun:
+    interrupted". From the main thread only, as Python allows."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    first = time.monotonic()
+
+    def on_interrupt(signum, frame):
+        if time.monotonic() - first >= SAME_PRESS_S:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            isolation._originals.get("os._exit", os._exit)(exit_code)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+
+
 def handle_interrupts(handler, relay=None) -> Callable[[], None]:
     """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
     only, as Python allows), `relay` for RELAYED_SIGNALS; returns what puts the

@@ -576,7 +576,7 @@ class Runner:
     # -- signals --------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
-        if self._interrupted_at is not None and time.monotonic() - self._interrupted_at < SAME_PRESS_S:
+        if self._interrupted_at is not None and time.monotonic() - self._interrupted_at < host.SAME_PRESS_S:
             return  # one press, delivered twice: to the launcher and to its process group
         if self._interrupted_at is not None:
             self.display.note("second interrupt: stopping now")
@@ -604,11 +604,6 @@ class Runner:
             if started and job.context and job.context.thread_id:
                 isolation.deliver_signal(job.context, signum)
 
-
-SAME_PRESS_S = 0.25
-"""A second interrupt this soon after the first is the same one: `timeout -s INT`
-signals the launcher and then its process group (the launcher in it). Only a later
-one forces the stop."""
 
 NO_ROOM_YET = "does not fit beside the running jobs yet: starts again once one of them ends"
 _ENGINE_WAITS = {
