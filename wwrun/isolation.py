@@ -982,7 +982,8 @@ def _found_elsewhere(job: JobContext, name: str) -> bool:
     folders too. Under `python` a module or regular package further along the path wins
     over such a folder (the installed `wandb` is imported whatever sits beside the
     script), and namespace portions elsewhere join it in one shared package."""
-    elsewhere = [entry for entry in (job.path or sys.path) if entry not in job.local_roots]
+    own = {os.path.realpath(root) for root in job.local_roots}
+    elsewhere = [entry for entry in (job.path or sys.path) if os.path.realpath(entry or ".") not in own]
     return importlib.machinery.PathFinder.find_spec(name, elsewhere) is not None
 
 
