@@ -93,6 +93,25 @@ def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path,
     assert written.read_text() == "finished"
 
 
+def test_reloading_a_module_of_the_job_s_runs_its_code_again(tmp_path):
+    """`importlib.reload` of a module beside the script returned the job's copy as it
+    was (a notebook-style script editing its config module saw the old values); as
+    under `python`, its code runs again, also on an import after `del sys.modules`."""
+    script = tmp_path / "reloads.py"
+    script.write_text(
+        "import importlib, sys\nfrom pathlib import Path\n"
+        "helper_py = Path(__file__).with_name('reloaded_helper.py')\n"
+        "helper_py.write_text('VALUE = 1\\n')\nimport reloaded_helper\nseen = [reloaded_helper.VALUE]\n"
+        "helper_py.write_text('VALUE = 22\\n')\nseen.append(importlib.reload(reloaded_helper).VALUE)\n"
+        "helper_py.write_text('VALUE = 333\\n')\ndel sys.modules['reloaded_helper']\n"
+        "import reloaded_helper\nseen.append(reloaded_helper.VALUE)\nprint(seen)\n")
+    alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert alone.stdout == "[1, 22, 333]\n", alone.stderr
+    result = run(tmp_path, JobSpec(name="a", script=str(script)))
+    assert result.exit_code == 0, log(result, "a", "stderr")
+    assert log(result, "a") == alone.stdout
+
+
 def test_same_sibling_module_name_stays_apart(tmp_path):
     result = run(
         tmp_path,

@@ -189,6 +189,8 @@ class JobContext:
     main: types.ModuleType = field(default_factory=lambda: types.ModuleType("__main__"))
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
     """Private copies of modules found in `local_roots`, by name."""
+    imported: set[str] = field(default_factory=set)
+    """Those of `modules` the job has imported (not only loaded for a submodule's sake)."""
     stdin: io.TextIOBase = field(default_factory=lambda: open(os.devnull))  # noqa: SIM115
     path: list[str] | None = None
     """The job's `sys.path`; None: the job's folders, then the launcher's path (set at `enter`)."""
@@ -1046,14 +1048,49 @@ class _JobLocalFinder(importlib.abc.MetaPathFinder):
 
 class _JobLocalLoader(importlib.abc.Loader):
     def create_module(self, spec):
+        # An import: the job's copy loads at most once, maybe already as the import
+        # sets the shared name's attributes. `importlib.reload` calls exec_module alone.
+        _importing().add(spec.name)
+        job = current_job()
+        if job is not None and spec.name in job.imported:
+            # Imported before, and gone from sys.modules since (`del sys.modules[name]`):
+            # under `python` the import runs its code afresh, in a new module.
+            with job.load_lock:
+                job.imported.discard(spec.name)
+                job.modules.pop(spec.name, None)
         existing = sys.modules.get(spec.name)
         return existing if isinstance(existing, _SharedName) else _SharedName(spec.name)
 
     def exec_module(self, module):
         name = object.__getattribute__(module, "__name__")
         job = current_job()
-        if job is None or _load_private(job, name) is None:
+        imported = name in _importing()
+        _importing().discard(name)
+        if job is not None and not imported and name in job.modules:
+            _run_private_again(job, name)
+        elif job is None or _load_private(job, name) is None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        else:
+            job.imported.add(name)
+
+
+def _importing() -> set:
+    """The job modules this thread is importing (not reloading)."""
+    names = getattr(_local, "importing", None)
+    if names is None:
+        names = _local.importing = set()
+    return names
+
+
+def _run_private_again(job: JobContext, name: str) -> None:
+    """`importlib.reload` of a module of the job's: its code runs again in its
+    namespace, as under `python`. The job's copy was returned as it was, and a reload
+    (or an import after `del sys.modules[name]`) changed nothing."""
+    with job.load_lock:
+        spec = _find_private_spec(job, name)
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        spec.loader.exec_module(job.modules[name])
 
 
 # ---------------------------------------------------------------------------------
