@@ -154,24 +154,31 @@ def test_hydra_runs_in_two_jobs_at_once(tmp_path):
             f"seed {seed} env True {tmp_path}/runs/h{seed}\n"
 
 
+def met_at_a_rendezvous(tmp_path, monkeypatch, library: str, script: str, args_by_job: dict) -> Path:
+    """Runs the jobs of `args_by_job` at once, each given its args, then a rendezvous
+    folder where they wait for each other and their number, with the library module
+    `imports/shared/<library>.py` fresh on the launcher's path; the run's log folder."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
+    monkeypatch.delitem(sys.modules, library, raising=False)
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    jobs = [JobSpec(name=name, script=str(SCRIPTS / "imports" / script),
+                    args=[*args, str(rendezvous), str(len(args_by_job))]) for name, args in args_by_job.items()]
+    result = launch(LaunchConfig(jobs=jobs, policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, [job.error for job in result.jobs]
+    return Path(result.log_dir)
+
+
 def test_accelerate_s_state_is_each_job_s_own(tmp_path, monkeypatch):
     """accelerate's `PartialState`, `AcceleratorState` and `GradientState` are Borgs
     (every instance's `__dict__` is one class attribute dict): two jobs' Accelerators
     were one, each job's `accumulate()` synced on the other's steps, and both trained
     to other losses than under `python`. The class here is that shape with our view."""
-    from wwrun import JobSpec, LaunchConfig, launch
-
-    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
-    monkeypatch.delitem(sys.modules, "borg", raising=False)
-    rendezvous = tmp_path / "rendezvous"
-    rendezvous.mkdir()
-    script = str(SCRIPTS / "imports" / "borg_job.py")
-    result = launch(LaunchConfig(
-        jobs=[JobSpec(name=f"s{steps}", script=script, args=[str(steps), str(rendezvous), "2"]) for steps in (2, 4)],
-        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
-    assert result.exit_code == 0, [job.error for job in result.jobs]
+    logs = met_at_a_rendezvous(tmp_path, monkeypatch, "borg", "borg_job.py", {f"s{n}": [str(n)] for n in (2, 4)})
     for steps in (2, 4):
-        assert (Path(result.log_dir) / f"s{steps}" / "stdout.log").read_text() == \
+        assert (logs / f"s{steps}" / "stdout.log").read_text() == \
             f"accumulation steps {steps} shared {{'accumulation_steps': {steps}}}\n"
 
 
@@ -180,19 +187,10 @@ def test_wandb_s_run_in_progress_is_each_job_s_own(tmp_path, monkeypatch):
     `.log`, `.summary`): a second job's init took the first job's over, whose
     `wandb.config.seed` then read the other's and whose `wandb.summary` lacked its own
     metrics (KeyError). The module here is that shape with our view."""
-    from wwrun import JobSpec, LaunchConfig, launch
-
-    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))
-    monkeypatch.delitem(sys.modules, "run_globals", raising=False)
-    rendezvous = tmp_path / "rendezvous"
-    rendezvous.mkdir()
-    script = str(SCRIPTS / "imports" / "run_globals_job.py")
-    result = launch(LaunchConfig(
-        jobs=[JobSpec(name=name, script=script, args=[name, str(rendezvous), "2"]) for name in ("a", "b")],
-        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
-    assert result.exit_code == 0, [job.error for job in result.jobs]
+    logs = met_at_a_rendezvous(tmp_path, monkeypatch, "run_globals", "run_globals_job.py",
+                               {name: [name] for name in ("a", "b")})
     for name in ("a", "b"):
-        assert (Path(result.log_dir) / name / "stdout.log").read_text() == f"{name} {{'name': '{name}'}}\n"
+        assert (logs / name / "stdout.log").read_text() == f"{name} {{'name': '{name}'}}\n"
     import run_globals
 
     assert (run_globals.run, run_globals.config) == (None, {})  # a thread of no job: the module's own
