@@ -13,7 +13,8 @@ wwrun's launcher (`wwrun --device D --memory-limit L job : job ...`) under
 `--policy waterwave`, then under `--policy sequential` for the wall-time ratio. On a
 GPU (`--device cuda`) wwrun's allocator holds the budget in the driver's 2 MiB pages
 and the jobs' tensors are on the GPU; the mixes are the same, and each job's stream
-workspaces (cuBLAS's, 65 MiB each on an H200) come on top of the limit (`budget`).
+workspaces (cuBLAS's, 65 MiB each on an H200) come on top of the limit
+(`measured.with_stream_workspaces`).
 
 Reported: jobs lost (target 0), each classified by its error: `admission` when the
 jobs the engine let in held more than the limit allows (device allocated + the request
@@ -66,7 +67,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)  # the checkout
 sys.path.append(HERE)  # benchmarks/measured.py, also when a test loads this file (last: shadows nothing)
 import wwrun  # noqa: E402
-from measured import WWRUN, measured_on  # noqa: E402
+from measured import WWRUN, measured_on, with_stream_workspaces  # noqa: E402
 from wwrun.display import QuietDisplay  # noqa: E402
 from wwrun.recipe import load_recipe  # noqa: E402
 
@@ -166,24 +167,9 @@ def classify(error: str | None, limit: int) -> str | None:
     return "fragmentation" if allocated + _bytes(*request.group(1, 2)) <= limit else "admission"
 
 
-def budget(limit: int, jobs: int) -> int:
-    """The --memory-limit of a mix whose jobs share `limit`. On CUDA each job at once
-    also has its stream's cuBLAS workspaces (65 MiB on an H200 with CUDA 13), inside
-    wwrun's limit (`Memory.fixed_bytes`) and inside each process's allocator: the
-    grid's limits are the jobs' own bytes, as on the CPU, and the workspaces come on
-    top, for wwrun and for the processes alike."""
-    if DEVICE != "cuda":
-        return limit
-    import torch
-
-    from wwrun.memory import allocator
-
-    return limit + jobs * allocator.measure_headroom(torch.cuda.current_device()).stream_fixed_bytes
-
-
 def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True, processes: bool = False) -> dict:
     jobs = [(JOB_SCRIPT, [*args, "--device", DEVICE]) for args in mix(limit, fraction, seed)]
-    total = budget(limit, len(jobs))
+    total = with_stream_workspaces(limit, len(jobs), DEVICE)
     result = launch(jobs, "waterwave", total)
     lost = [classify(job.error, total) for job in result.jobs if job.state.value != "succeeded"]
     figures = {
@@ -301,8 +287,10 @@ def scenario_loop(runs: int) -> dict:
     quickstart = os.path.join(REPO, "recipes", "quickstart.yaml")
     jobs = len(load_recipe(quickstart).jobs)
     scenarios = {
-        "quickstart": lambda: _launch_recipe(load_recipe(quickstart), "waterwave", budget(limit, jobs)),
-        "temporary_120mib_x3": lambda: launch([(temporary, ["40", "120"])] * 3, "waterwave", budget(200 * MiB, 3)),
+        "quickstart": lambda: _launch_recipe(load_recipe(quickstart), "waterwave",
+                                             with_stream_workspaces(limit, jobs, DEVICE)),
+        "temporary_120mib_x3": lambda: launch([(temporary, ["40", "120"])] * 3, "waterwave",
+                                              with_stream_workspaces(200 * MiB, 3, DEVICE)),
     }
     figures = {"quickstart_limit_bytes": limit}
     for name, run in scenarios.items():
@@ -368,7 +356,7 @@ def grid_figures(args) -> dict:
     # first hooks: 1.1 s with no job computing), which made the first cell 0.27x
     # sequential: one untimed job first.
     launch([(JOB_SCRIPT, [*mix(limits[0], TENSOR_FRACTIONS[0], 0)[0], "--device", DEVICE])], "waterwave",
-           budget(limits[0], 1))
+           with_stream_workspaces(limits[0], 1, DEVICE))
     runs = []
     started = time.perf_counter()
     for limit, fraction, seed in grid(limits, TENSOR_FRACTIONS, seeds):

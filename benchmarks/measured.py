@@ -20,3 +20,15 @@ def measured_on(allocator_name: str | None, expected: str, what: str) -> str:
         raise RuntimeError(f"{what} ran on the {allocator_name!r} allocator, not {expected!r}: "
                            "its figures would not be the ones it claims")
     return allocator_name
+
+
+def with_stream_workspaces(limit: int, jobs: int, device: str) -> int:
+    """The `--memory-limit` that leaves `jobs` jobs at once `limit` bytes of their own.
+    On CUDA each job's stream workspaces (cuBLAS's, 65 MiB a job on an H200) live
+    inside wwrun's limit, as in each process's allocator: budgets sized for the jobs'
+    bytes add them on top, for wwrun and for processes alike. On the CPU: `limit`."""
+    if device != "cuda":
+        return limit
+    from wwrun.memory import allocator
+
+    return limit + jobs * allocator.measure_headroom().stream_fixed_bytes

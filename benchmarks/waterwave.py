@@ -101,7 +101,7 @@ from wwrun.memory import Memory, allocator  # noqa: E402
 from wwrun.memory.engine import Engine, JobTooLarge  # noqa: E402
 
 import allocator as allocator_benchmark  # noqa: E402  benchmarks/allocator.py, beside this script
-from measured import WWRUN, measured_on  # noqa: E402  benchmarks/measured.py
+from measured import WWRUN, measured_on, with_stream_workspaces  # noqa: E402  benchmarks/measured.py
 
 INPUTS, CLASSES = 32, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -195,10 +195,9 @@ def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
     allocators) would need."""
     drop_idle_reserve()  # earlier trials' idle job streams hold no budget of this one
     cuda = DEVICE == "cuda"
-    # On CUDA each job's stream workspaces (cuBLAS's, 65 MiB a job on an H200) come on
-    # top of `capacity`, as each process has its own: solo and shared trials give the
-    # jobs the same bytes of their own, or 2 jobs in 512 MiB could reach 85% at most.
-    limit = capacity + len(jobs) * allocator.measure_headroom().stream_fixed_bytes if cuda else capacity
+    # Solo and shared trials give the jobs the same bytes of their own: with each job's
+    # CUDA stream workspaces inside `capacity`, 2 jobs in 512 MiB could reach 85% at most.
+    limit = with_stream_workspaces(capacity, len(jobs), DEVICE)
     # What the launcher holds (allocator, budget, engine), planning as it would for
     # every job at once: on CUDA each one's stream workspaces and thread headroom.
     memory = Memory(DEVICE, limit, policy, jobs_at_once=len(jobs))
@@ -401,7 +400,7 @@ def main() -> None:
     # On CUDA a job's peak holds its stream's workspaces (65 MiB on an H200), which each
     # job at once holds again, inside the limit: the jobs' own bytes are what the 1.5x
     # oversubscribes, the workspaces come on top (as each process has its own).
-    fixed = allocator.measure_headroom().stream_fixed_bytes if DEVICE == "cuda" else 0
+    fixed = with_stream_workspaces(0, 1, DEVICE)
     own = peak - fixed
     capacity_b = int(3 * own / 1.5) + 3 * fixed
     jobs = [job_args(width, batch, steps_b, seed) for seed in range(3)]
