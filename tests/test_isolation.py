@@ -6,6 +6,7 @@ concurrently in each test through the library API.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -13,6 +14,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -948,6 +952,46 @@ def test_jobs_first_using_torch_inductor_at_once_all_import_it(tmp_path):
         command += [*([":"] if i else []), str(SCRIPTS / "imports" / "import_race.py"), module, str(rendezvous), "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_a_forked_child_imports_a_module_another_thread_was_still_importing(tmp_path, monkeypatch):
+    """fork() copies only the forking thread: an import another job's thread was running
+    at that moment never ends in the child, and the child's own import of that module
+    waited for it for good (a `datasets` `map(num_proc=2)` pool worker unpickling its
+    task, about 1 run in 10 of two such jobs)."""
+    (tmp_path / "half_made.py").write_text(
+        "import os, wwrun_test_gate as gate\n"
+        "if os.getpid() == gate.parent:  # only the parent's import stops half-way\n"
+        "    gate.entered.set()\n"
+        "    gate.leave.wait(60)\n"
+        "value = 42\n")
+    gate = types.SimpleNamespace(parent=os.getpid(), entered=threading.Event(), leave=threading.Event())
+    monkeypatch.setitem(sys.modules, "wwrun_test_gate", gate)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importer = threading.Thread(target=importlib.import_module, args=("half_made",))
+    importer.start()
+    try:
+        assert gate.entered.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                import half_made
+                os._exit(0 if half_made.value == 42 else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's import did not end within 30 s")
+    finally:
+        gate.leave.set()
+        importer.join(30)
+        in_parent = sys.modules.pop("half_made", None)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert in_parent.value == 42  # the parent's own import ended as usual
 
 
 def test_modules_made_after_install_keep_plain_attributes():

@@ -1859,6 +1859,29 @@ _first_import_lock = _FirstImportLock()
 forksafe.after_fork_in_child(_first_import_lock.after_fork_in_child)
 
 
+@forksafe.after_fork_in_child
+def _forget_imports_of_gone_threads() -> None:
+    """In a forked child, the imports other threads were running at the fork never
+    end: fork copies only the forking thread. Python keeps their module locks held and
+    their half-made modules in sys.modules, so the child's first import of such a
+    module waited for good: a `datasets.map(num_proc=2)` pool worker unpickling its
+    task while another job imported. Alone, a script has no other thread importing.
+    Every module lock but the forking thread's own is dropped (an import makes a fresh
+    one), and the modules that other threads were still making are forgotten, so the
+    child imports them afresh."""
+    me = threading.get_ident()
+    locks = importlib._bootstrap._module_locks
+    for name, ref in list(locks.items()):
+        lock = ref()
+        if lock is not None and getattr(lock, "owner", None) == me:
+            continue
+        del locks[name]
+        module = sys.modules.get(name)
+        if lock is not None and lock.owner is not None and getattr(
+                getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+
+
 def _find_and_load(name, import_):
     """importlib's `_find_and_load` (what every import not found in sys.modules runs),
     one job at a time."""
