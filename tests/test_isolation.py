@@ -87,7 +87,9 @@ def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path,
     finishes the runs a script left open. The run's end ended the service first, and
     the teardown at the launcher's exit met a closed connection: a run without
     `wandb.finish()` lost its data ("Exception ignored in atexit callback ...
-    ConnectionResetError"). The run's end now runs such handlers first."""
+    ConnectionResetError"). The run's end now runs such handlers first, once each: one
+    that another unregistered as it ran is not run (opentelemetry's "shutdown can only
+    be called once", under wandb)."""
     monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))  # a library: the launcher's path
     monkeypatch.delitem(sys.modules, "exit_service", raising=False)
     written = tmp_path / "service.out"
@@ -95,6 +97,7 @@ def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path,
     assert result.exit_code == 0, log(result, "a", "stderr")
     assert log(result, "a") == "started\n"
     assert written.read_text() == "finished"
+    assert (tmp_path / "service.out.provider").read_text() == "shutdown\n"
 
 
 def test_reloading_a_module_of_the_job_s_runs_its_code_again(tmp_path):

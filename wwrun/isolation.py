@@ -1138,13 +1138,18 @@ def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRA
     launcher's exit met a closed connection, and a run without `wandb.finish()` lost
     its data. Bounded: a handler still running after `wait_s` is left to finish on its
     own, and the run's end goes on."""
-    with _library_exit_lock:
-        handlers, _library_exit_handlers[:] = _library_exit_handlers[::-1], []
-    if not handlers:
+    if not _library_exit_handlers:
         return
 
     def run_all():
-        for func, args, kwargs in handlers:
+        # Taken one at a time, last first: a handler that unregisters another (a
+        # telemetry provider's shutdown, called by a library's own teardown) keeps
+        # it from running, as at a process's exit.
+        while True:
+            with _library_exit_lock:
+                if not _library_exit_handlers:
+                    return
+                func, args, kwargs = _library_exit_handlers.pop()
             _originals["atexit.unregister"](func)
             try:
                 func(*args, **kwargs)
