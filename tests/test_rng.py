@@ -420,7 +420,10 @@ def test_python_random_and_numpy_are_per_job():
     def job(seed):
         random.seed(seed)
         np.random.seed(seed)
-        return [random.random() for _ in range(3)], np.random.rand(3).tolist(), np.random.permutation(5).tolist()
+        # numpy.random's functions and the RandomState they draw from, which
+        # scikit-learn's check_random_state(None) reads directly: one stream.
+        return ([random.random() for _ in range(3)], np.random.rand(3).tolist(), np.random.permutation(5).tolist(),
+                np.random.mtrand._rand.rand(3).tolist())
 
     random.seed(0)
     np.random.seed(0)

@@ -13,7 +13,8 @@ threads it starts see the job's own state instead:
                                                                          `get/set_rng_state`,
                                                                          `torch.cuda.default_generators`
     Python's `random`              a `random.Random()` per job         thread-dispatching module functions
-    numpy's legacy global state    a `numpy.random.RandomState()`      same, for `numpy.random.<fn>`
+    numpy's legacy global state    a `numpy.random.RandomState()`      same, for `numpy.random.<fn>`;
+                                                                       `mtrand._rand` a property
 
 Ops draw from the job's generator through a C++ extension (`csrc/rng/`, built at
 first use against the installed torch like the allocator, `wwrun.build`; a run
@@ -30,8 +31,8 @@ Threads of no job (the launcher) see the process's own state, untouched.
 Not covered: ops registered after the first job started, ops that draw without
 taking a generator on devices other than CUDA, `torch.default_generator` used
 directly (`torch.default_generator.manual_seed(...)` reseeds the shared one, though
-passing it to an op draws from the job's), and `numpy.random.mtrand._rand` read
-directly (scikit-learn's `check_random_state(None)`).
+passing it to an op draws from the job's), and the process's numpy RandomState held
+from before the job started (a library's `from numpy.random.mtrand import _rand`).
 """
 
 from __future__ import annotations
@@ -228,6 +229,34 @@ def _patch_numpy() -> None:
             continue
         if callable(getattr(numpy.random.RandomState, name, None)) and hasattr(numpy.random, name):
             _view(numpy.random, name, lambda state: state.numpy)
+    _per_job_rand(mtrand)
+
+
+def _per_job_rand(mtrand) -> None:
+    """`numpy.random.mtrand._rand`, the RandomState numpy.random's functions draw from,
+    as the job's: scikit-learn's `check_random_state(None)` (every `random_state=None`)
+    reads it directly, and drew from the process's state whatever the job seeded. A
+    module global cannot be a property, so the module gets a subclass of its type."""
+    base = type(mtrand)
+    if getattr(base, "_wwrun_per_job", False):
+        return
+
+    def own(module):
+        state = getattr(_local, "state", None)
+        return state if state is not None and state.numpy is not None else None
+
+    def get(module):
+        state = own(module)
+        return module.__dict__["_rand"] if state is None else state.numpy
+
+    def set_(module, value):
+        state = own(module)
+        if state is None:
+            module.__dict__["_rand"] = value
+        else:
+            state.numpy = value
+
+    mtrand.__class__ = type(base.__name__, (base,), {"_rand": property(get, set_), "_wwrun_per_job": True})
 
 
 # -- torch's Python API ---------------------------------------------------------------
