@@ -997,6 +997,30 @@ def test_a_forked_child_imports_a_module_another_thread_was_still_importing(tmp_
     assert in_parent.value == 42  # the parent's own import ended as usual
 
 
+@pytest.fixture
+def fresh_half_made():
+    for name in [n for n in sys.modules if n.split(".")[0] == "half_made"]:
+        del sys.modules[name]
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "half_made"]:
+        del sys.modules[name]
+
+
+def test_a_job_s_fork_waits_for_another_job_s_import_to_end(tmp_path, fresh_half_made, monkeypatch):
+    """A package half imported by another job at the fork (a submodule in, the rest not)
+    could not be imported afresh in the child either: it failed ("partially
+    initialized module 'half_made' has no attribute 'part'"), where before it hung. A
+    job's fork now waits for the other job's import to end, as an import does."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))  # a library: the launcher's path
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    result = run(tmp_path, job("importer", "imports/half_made_importer.py", rendezvous),
+                 job("forker", "imports/fork_during_import.py", rendezvous), policy="concurrent")
+    assert result.exit_code == 0, [log(result, name, "stderr") for name in ("importer", "forker")]
+    assert log(result, "importer") == "imported 42\n"
+    assert log(result, "forker") == "child exit 0\n"
+
+
 def test_modules_made_after_install_keep_plain_attributes():
     # importlib makes modules with type(sys)(name): sys's per-job names must not
     # reach them (matplotlib.path once read as the job's sys.path).

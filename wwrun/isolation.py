@@ -1138,18 +1138,21 @@ def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRA
     launcher's exit met a closed connection, and a run without `wandb.finish()` lost
     its data. Bounded: a handler still running after `wait_s` is left to finish on its
     own, and the run's end goes on."""
-    if not _library_exit_handlers:
+    with _library_exit_lock:
+        handlers = _library_exit_handlers[::-1]
+    if not handlers:
         return
 
     def run_all():
-        # Taken one at a time, last first: a handler that unregisters another (a
-        # telemetry provider's shutdown, called by a library's own teardown) keeps
-        # it from running, as at a process's exit.
-        while True:
+        for handler in handlers:
+            # Each still registered when its turn comes: a handler that unregisters
+            # another (a telemetry provider's shutdown, called by a library's own
+            # teardown) keeps it from running, as at a process's exit.
             with _library_exit_lock:
-                if not _library_exit_handlers:
-                    return
-                func, args, kwargs = _library_exit_handlers.pop()
+                if not any(h is handler for h in _library_exit_handlers):
+                    continue
+                _library_exit_handlers[:] = [h for h in _library_exit_handlers if h is not handler]
+            func, args, kwargs = handler
             _originals["atexit.unregister"](func)
             try:
                 func(*args, **kwargs)
@@ -1834,6 +1837,7 @@ class _FirstImportLock:
         self._cond = forksafe.Condition(threading.Lock())
         self._owner = None
         self._depth = 0
+        self._forking = threading.local()  # .held: this thread's fork took the lock
 
     def acquire(self, owner, timeout: float) -> bool:
         with self._cond:
@@ -1852,38 +1856,55 @@ class _FirstImportLock:
                 self._cond.notify_all()
 
 
+    def before_fork(self) -> None:
+        """A job's fork waits for another job's first import to end, as a first import
+        does: fork copies only the forking thread, so that import would never end in
+        the child, whose own import of the module then waited for good (a `datasets`
+        `map(num_proc=2)` pool worker unpickling its task). Bounded as imports are."""
+        job = current_job()
+        self._forking.held = job is not None and self.acquire(job, _IMPORT_WAIT_S)
+
+    def after_fork_in_parent(self) -> None:
+        if getattr(self._forking, "held", False):
+            self._forking.held = False
+            self.release()
+
     def after_fork_in_child(self) -> None:
         # Only the forking thread's job lives on in a child (a DataLoader worker): an
         # import another job was running will never end there.
+        held, self._forking.held = getattr(self._forking, "held", False), False
         if self._owner is not None and self._owner is not current_job():
             self._owner, self._depth = None, 0
+        elif held:
+            self.release()
 
 
 _IMPORT_WAIT_S = 60.0
 _first_import_lock = _FirstImportLock()
+os.register_at_fork(before=_first_import_lock.before_fork, after_in_parent=_first_import_lock.after_fork_in_parent)
 forksafe.after_fork_in_child(_first_import_lock.after_fork_in_child)
 
 
 @forksafe.after_fork_in_child
 def _forget_imports_of_gone_threads() -> None:
-    """In a forked child, the imports other threads were running at the fork never
-    end: fork copies only the forking thread. Python keeps their module locks held and
-    their half-made modules in sys.modules, so the child's first import of such a
-    module waited for good: a `datasets.map(num_proc=2)` pool worker unpickling its
-    task while another job imported. Alone, a script has no other thread importing.
-    Every module lock but the forking thread's own is dropped (an import makes a fresh
-    one), and the modules that other threads were still making are forgotten, so the
-    child imports them afresh."""
+    """What a fork could not wait for (`_FirstImportLock.before_fork`): an import
+    another thread of the forking job, or of no job, was running, or one that outlasted
+    the wait. It never ends in the child, where Python keeps its module lock held and
+    its half-made module in sys.modules, so the child's import of it would wait for
+    good. Every module lock but the forking thread's own is dropped (an import makes a
+    fresh one), and the modules other threads were still making are forgotten: the
+    child imports them afresh (a package whose submodules were already in may then
+    fail to, with an error rather than a hang)."""
     me = threading.get_ident()
     locks = importlib._bootstrap._module_locks
     for name, ref in list(locks.items()):
         lock = ref()
         if lock is not None and getattr(lock, "owner", None) == me:
             continue
-        del locks[name]
+        locks.pop(name, None)
         module = sys.modules.get(name)
-        if lock is not None and lock.owner is not None and getattr(
-                getattr(module, "__spec__", None), "_initializing", False):
+        spec = vars(module).get("__spec__") if isinstance(module, types.ModuleType) else None
+        if lock is not None and lock.owner is not None and getattr(spec, "_initializing", False):
             del sys.modules[name]
 
 
