@@ -196,6 +196,48 @@ def test_wandb_s_run_in_progress_is_each_job_s_own(tmp_path, monkeypatch):
     assert (run_globals.run, run_globals.config) == (None, {})  # a thread of no job: the module's own
 
 
+def test_a_script_s_functions_pickle_with_cloudpickle_as_alone(tmp_path):
+    """cloudpickle (what joblib, Ray and dask send work with) reduces a module by its exact
+    type: a function naming `os`, `sys`, `threading` or numpy's `mtrand`, whose types
+    wwrun subclasses, failed with "cannot pickle 'module' object"."""
+    pytest.importorskip("cloudpickle")
+    pytest.importorskip("numpy")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    result = launch(LaunchConfig(jobs=[JobSpec(name="p", script=str(SCRIPTS / "pickles_functions.py"))],
+                                 policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True))
+    assert result.exit_code == 0, result.jobs[0].error
+    assert (Path(result.log_dir) / "p" / "stdout.log").read_text() == "True\n"
+
+
+def test_joblib_runs_two_jobs_work_in_its_workers_and_each_job_ends(tmp_path):
+    """joblib's loky executor is one for the process (a module global), and its manager
+    thread is not a daemon: Python's exit stops it through a `threading._register_atexit`
+    hook. A job's end waited for it for good; the run's end ended loky's processes before
+    that hook ran (its resource tracker then "died unexpectedly")."""
+    pytest.importorskip("joblib")
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = tmp_path / "joblib_job.py"
+    script.write_text(
+        "import os, sys\nfrom joblib import Parallel, delayed\n"
+        "def work(i):\n    return i * i, os.getpid() != PARENT\n"
+        "PARENT = os.getpid()\n"
+        "for _ in range(int(sys.argv[1])):\n"
+        "    out = Parallel(n_jobs=2)(delayed(work)(i) for i in range(4))\n"
+        "print(out)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--quiet", "--timeout", "120s", "--log-dir", str(tmp_path / "logs"),
+         str(script), "1", ":", str(script), "5"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "[(0, True), (1, True), (4, True), (9, True)]\n"
+    for name in ("joblib_job", "joblib_job-2"):
+        assert (tmp_path / "logs" / "latest" / name / "stdout.log").read_text() == expected
+    assert "resource_tracker" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_wandb_logs_two_jobs_at_once_as_alone(tmp_path):
     """The real library, where it is installed (it is not one of wwrun's dependencies),
     offline: each job's config and summary are its own, and a run the script leaves

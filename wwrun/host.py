@@ -202,12 +202,22 @@ HELPER_STOP_S = 5.0
 """How long the resource tracker has to end once told to; then it is killed."""
 
 
+_LIBRARY_TRACKERS = ("joblib.externals.loky.backend.resource_tracker", "loky.backend.resource_tracker")
+"""Resource trackers libraries keep beside Python's (joblib's loky). Their objects are
+the process's (an executor's semaphores, freed at its exit), so the tracker must still
+be there when they go, as under `python`: spared by `end_children`, it ends with this
+process. Killed, loky said "resource_tracker: process died unexpectedly" after the
+summary, and the tracker it started again printed a KeyError for each semaphore."""
+
+
 def _helper_pids() -> set[int]:
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    return {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
-            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)} - {None}
+    trackers = [multiprocessing.resource_tracker._resource_tracker,
+                *(getattr(sys.modules.get(name), "_resource_tracker", None) for name in _LIBRARY_TRACKERS)]
+    return ({getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)}
+            | {getattr(tracker, "_pid", None) for tracker in trackers}) - {None}
 
 
 def _stop_forkserver(before: set[int]) -> None:

@@ -1121,6 +1121,27 @@ def _atexit_unregister(func):
     _originals["atexit.unregister"](func)
 
 
+def _threading_register_atexit(func, *args, **kwargs):
+    """`threading._register_atexit`: the hooks Python calls at exit before it joins the
+    non-daemon threads, with which libraries stop theirs (joblib's loky executor).
+    Those a library registers from a job's thread also run at the run's end, first
+    (`run_library_exit_handlers`): ended before them, loky's processes left "resource
+    tracker: process died unexpectedly" and tracebacks after the summary.
+    concurrent.futures' own is left to each job's end (`jobthread._shut_down_executors`):
+    run, it would stop the process's executors for good."""
+    _originals["threading._register_atexit"](func, *args, **kwargs)
+    job = current_job()
+    if job is None or _called_from_job_code(job) or getattr(func, "__module__", "").startswith("concurrent.futures"):
+        return
+    for call in reversed(threading._threading_atexits):
+        if call.func is func and call.args == args:
+            with _library_exit_lock:
+                _library_thread_exit_hooks.append(call)
+            return
+
+
+_library_thread_exit_hooks: list = []
+"""The `threading._register_atexit` calls (partials) libraries made from job threads."""
 _library_exit_handlers: list = []
 """(func, args, kwargs) that libraries registered with atexit from the jobs' threads."""
 _library_exit_lock = forksafe.Lock()
@@ -1140,10 +1161,21 @@ def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRA
     own, and the run's end goes on."""
     with _library_exit_lock:
         handlers = _library_exit_handlers[::-1]
-    if not handlers:
+        hooks, _library_thread_exit_hooks[:] = _library_thread_exit_hooks[::-1], []
+    if not handlers and not hooks:
         return
 
     def run_all():
+        for call in hooks:  # as at exit: before the threads are joined, and atexit's
+            try:
+                threading._threading_atexits.remove(call)  # once
+            except ValueError:
+                continue
+            try:
+                call()
+            except BaseException:  # noqa: BLE001 - reported as Python reports it at exit
+                print(f"Exception ignored in threading exit hook: {call.func!r}", file=sys.__stderr__)
+                traceback.print_exc(file=sys.__stderr__)
         for handler in handlers:
             # Each still registered when its turn comes: a handler that unregisters
             # another (a telemetry provider's shutdown, called by a library's own
@@ -2283,6 +2315,7 @@ def _patch_functions() -> None:
         "_lock_unlock_module": importlib._bootstrap._lock_unlock_module,
         "atexit.register": atexit.register,
         "atexit.unregister": atexit.unregister,
+        "threading._register_atexit": threading._register_atexit,
         "signal.signal": signal.signal,
         "signal.getsignal": signal.getsignal,
         "signal.alarm": signal.alarm,
@@ -2308,6 +2341,7 @@ def _patch_functions() -> None:
     atexit.register = _atexit_register
     sys.unraisablehook = _unraisable_hook
     atexit.unregister = _atexit_unregister
+    threading._register_atexit = _threading_register_atexit
     signal.signal = _signal_signal
     signal.getsignal = _signal_getsignal
     signal.alarm = _signal_alarm

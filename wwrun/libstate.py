@@ -66,6 +66,7 @@ import importlib.abc
 import sys
 import threading
 import weakref
+import types
 from collections.abc import Callable
 
 from wwrun import forksafe, isolation
@@ -552,6 +553,29 @@ def _compiling_per_thread(compiler) -> None:
     compiler.is_compiling.__code__ = _is_compiling.__code__
 
 
+def _patch_cloudpickle(module) -> None:
+    """cloudpickle reduces a module by its exact type (a dispatch table), so the modules
+    wwrun gives a subclass of their type for per-job attributes (`sys`, `os`,
+    `threading`, numpy's `mtrand`, wandb) could not be pickled: any function of a
+    script's that names `os`, sent to joblib's workers (scikit-learn's `n_jobs`), Ray
+    or dask, failed with "cannot pickle 'module' object". They pickle as the modules
+    they are, by reference. Other module subclasses (a library's own lazy module) are
+    left to cloudpickle, as without wwrun."""
+    pickler = module.Pickler
+    reducer_override = pickler.reducer_override
+    if getattr(reducer_override, "__wwrun_per_job__", False):
+        return
+
+    @functools.wraps(reducer_override)
+    def reduce_wwrun_modules(self, obj):
+        if isinstance(obj, types.ModuleType) and type(obj).__module__.startswith("wwrun."):
+            return module._module_reduce(obj)
+        return reducer_override(self, obj)
+
+    reduce_wwrun_modules.__wwrun_per_job__ = True
+    pickler.reducer_override = reduce_wwrun_modules
+
+
 def _share_inductor_address(codecache) -> None:
     import torch
 
@@ -567,6 +591,10 @@ _PATCHES = {
     "logging.config": _patch_logging_config,
     "accelerate.state": _patch_accelerate_state,
     "wandb": _patch_wandb,
+    "cloudpickle.cloudpickle": _patch_cloudpickle,  # and the copies libraries ship
+    "ray.cloudpickle.cloudpickle": _patch_cloudpickle,
+    "joblib.externals.cloudpickle.cloudpickle": _patch_cloudpickle,
+    "srsly.cloudpickle.cloudpickle": _patch_cloudpickle,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
