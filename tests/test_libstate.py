@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
 
@@ -236,6 +237,48 @@ def test_joblib_runs_two_jobs_work_in_its_workers_and_each_job_ends(tmp_path):
     for name in ("joblib_job", "joblib_job-2"):
         assert (tmp_path / "logs" / "latest" / name / "stdout.log").read_text() == expected
     assert "resource_tracker" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_forked_child_draws_a_tqdm_bar_while_another_thread_held_tqdm_s_lock():
+    """tqdm's write lock is a process-shared lock, then a thread lock. A DataLoader worker
+    forked while another job's thread drew a bar took the shared one and then waited
+    for good on the thread lock (held by a thread it does not have), and every job's
+    workers and bars then waited on the shared one (`datasets` formats a batch with a
+    tqdm call in each worker)."""
+    tqdm = pytest.importorskip("tqdm")
+    from wwrun import libstate
+
+    libstate.install()
+    lock = tqdm.tqdm.get_lock()
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                with tqdm.tqdm.get_lock():
+                    os._exit(0)
+            finally:
+                os._exit(2)
+    finally:
+        release.set()
+        thread.join(30)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child still waited for tqdm's lock after 30 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_wandb_logs_two_jobs_at_once_as_alone(tmp_path):

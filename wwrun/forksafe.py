@@ -7,7 +7,9 @@ the first time it takes it (printing, importing, drawing a random number). Every
 lock of wwrun that a child may take is made here: in the child each is made free
 again, unless the forking thread itself holds it (an RLock, or a Condition over
 one, that it will release as usual). A plain Lock is always freed: its holders
-never fork while holding it (wwrun's sections run no user code under one).
+never fork while holding it (wwrun's sections run no user code under one). A
+library's lock that job code holds across its calls (tqdm's write lock) is registered
+here too (`register`).
 
 The C++ parts do the same with `pthread_atfork` (csrc/allocator/cpu_allocator.cpp,
 torch_cuda_allocator.cpp, csrc/rng/job_generators.cpp).
@@ -20,7 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["Condition", "Lock", "RLock", "after_fork_in_child"]
+__all__ = ["Condition", "Lock", "RLock", "after_fork_in_child", "register"]
 
 _locks: weakref.WeakSet = weakref.WeakSet()
 _child_hooks: list[Callable[[], None]] = []
@@ -43,6 +45,12 @@ def Condition(lock=None) -> threading.Condition:  # noqa: N802
     condition = threading.Condition(lock)
     _locks.add(condition)
     return condition
+
+
+def register(lock) -> None:
+    """A lock made elsewhere (a library's, held across its own calls) is made free
+    again in forked children as wwrun's are."""
+    _locks.add(lock)
 
 
 def after_fork_in_child(hook: Callable[[], None]) -> Callable[[], None]:

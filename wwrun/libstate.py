@@ -178,6 +178,11 @@ class _PerJobBars:
 def _patch_tqdm(module) -> None:
     if not isinstance(module.tqdm._instances, _PerJobBars):
         module.tqdm._instances = _PerJobBars(module.tqdm._instances)
+    # tqdm's write lock takes a process-shared lock, then this thread lock: a DataLoader
+    # worker forked while another job's thread drew a bar found it held for good, and
+    # held the shared one meanwhile, so every job's workers and bars waited on it.
+    if module.TqdmDefaultWriteLock.th_lock is not None:
+        forksafe.register(module.TqdmDefaultWriteLock.th_lock)
 
 
 def _patch_pylab_helpers(module) -> None:
