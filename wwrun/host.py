@@ -163,6 +163,12 @@ def _proc_descendants(root: int) -> set[int]:
     return found
 
 
+def others_alive(before: set[int]) -> bool:
+    """Whether a process the jobs started is still alive, besides the helpers that
+    live on with this process (`_LIBRARY_TRACKERS`)."""
+    return bool(child_pids() - before - helper_pids())
+
+
 def end_children(before: set[int]) -> None:
     """End the processes the jobs started (DataLoader workers, spawned children):
     this process's descendants but those in `before` (from `child_pids` at the start).
@@ -181,7 +187,7 @@ def end_children(before: set[int]) -> None:
             children = psutil.Process().children(recursive=True)
         except psutil.Error:
             children = []
-        helpers = _helper_pids()  # read after the listing: one a collection restarted meanwhile is in it
+        helpers = helper_pids()  # read after the listing: one a collection restarted meanwhile is in it
         children = [p for p in children if p.pid not in before and p.pid not in helpers]
         for child in children:
             try:
@@ -210,7 +216,9 @@ process. Killed, loky said "resource_tracker: process died unexpectedly" after t
 summary, and the tracker it started again printed a KeyError for each semaphore."""
 
 
-def _helper_pids() -> set[int]:
+def helper_pids() -> set[int]:
+    """multiprocessing's forkserver and resource trackers (Python's, and libraries'):
+    helpers of the process, not of one job."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 

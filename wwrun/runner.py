@@ -198,7 +198,10 @@ class Runner:
             for job in self.jobs:
                 if job.output:
                     job.output.close_writers()
-            pump.close()
+            # A helper that lives on with the process (joblib's resource tracker) holds
+            # its job's pipe until then: with nothing else alive, what is left in the
+            # pipes is read at once, and no end of file is waited for.
+            pump.close(timeout=5.0 if host.others_alive(self._children_before) else 0.5)
             self._events.close()
         result = self._result()
         self._write_report(result)
