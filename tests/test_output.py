@@ -28,6 +28,25 @@ def test_pump_hands_lines_to_the_display_and_keeps_a_tail(tmp_path):
     assert (tmp_path / "j" / "stdout.log").read_text().count("\n") == 15
 
 
+def test_a_pipe_a_helper_still_holds_is_read_to_its_end_without_waiting_for_its_close(tmp_path):
+    """joblib's resource tracker, spared until the process ends, holds its job's stderr:
+    the run's end waited 5 s for an end of file that could not come."""
+    lines = []
+    pump = Pump(lambda job, stream, line: lines.append(line))
+    output = JobOutput("j", tmp_path / "j")
+    helper_copy = os.dup(output.fds["stderr"])
+    try:
+        pump.add(output)
+        print("last words", file=output.stderr)
+        output.stderr.write("no newline")
+        output.close_writers()
+        pump.close(timeout=30, until_drained=True)
+        assert lines == ["last words", "no newline"]  # the last, unended line: the stream was finished
+    finally:
+        os.close(helper_copy)
+    assert (tmp_path / "j" / "stderr.log").read_text() == "last words\nno newline"
+
+
 def _report(folder, state="ended", jobs=(("a", "succeeded", 0, None),), root=None, code=0):
     folder.mkdir(parents=True)
     data = {

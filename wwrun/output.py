@@ -161,6 +161,7 @@ class Pump:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="wwrun-pump", daemon=True)
         self._stopping = False
+        self._until_drained = False
         self._thread.start()
 
     def add(self, output: JobOutput) -> None:
@@ -175,7 +176,12 @@ class Pump:
             with self._lock:
                 if self._stopping and self._open == 0:
                     return
-            for key, _ in self._selector.select(timeout=0.5):
+                drain = self._stopping and self._until_drained
+            events = self._selector.select(timeout=0 if drain else 0.5)
+            if drain and not events:
+                self._finish_open()
+                return
+            for key, _ in events:
                 if key.data is None:
                     os.read(self._wake_r, 4096)
                     continue
@@ -193,6 +199,19 @@ class Pump:
                     self._open -= 1
                 output._finish(stream, self._on_line)
 
+    def _finish_open(self) -> None:
+        """Every pipe drained but some still open (a helper holds a copy): their jobs'
+        last lines and logs are finished now. The read ends stay open, so that the
+        helper's later writes fail no one (they are read by no one)."""
+        with self._lock:
+            keys = [key for key in self._selector.get_map().values() if key.data is not None]
+            for key in keys:
+                self._selector.unregister(key.fd)
+            self._open = 0
+        for key in keys:
+            output, stream = key.data
+            output._finish(stream, self._on_line)
+
     def _on_line(self, job: str, stream: str, line: str) -> None:
         """Hand a line to the display. If the display fails (its reader went away:
         `wwrun ... | head`), stop showing lines but keep draining: a pump that died
@@ -204,11 +223,14 @@ class Pump:
         except (OSError, ValueError):
             self._display = None
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Wait until every pipe reached end of file (all writers closed), then stop.
-        After `timeout` seconds whatever is left is abandoned (a lingering child)."""
+    def close(self, timeout: float = 5.0, until_drained: bool = False) -> None:
+        """Wait until every pipe reached end of file (all writers closed), then stop;
+        with `until_drained`, only until every pipe is read empty (its only writers left
+        live on with the process). After `timeout` seconds whatever is left is
+        abandoned (a lingering child)."""
         with self._lock:
             self._stopping = True
+            self._until_drained = until_drained
         os.write(self._wake_w, b"x")
         self._thread.join(timeout)
 

@@ -200,8 +200,8 @@ class Runner:
                     job.output.close_writers()
             # A helper that lives on with the process (joblib's resource tracker) holds
             # its job's pipe until then: with nothing else alive, what is left in the
-            # pipes is read at once, and no end of file is waited for.
-            pump.close(timeout=5.0 if host.others_alive(self._children_before) else 0.5)
+            # pipes is read, and no end of file is waited for.
+            pump.close(until_drained=not host.others_alive(self._children_before))
             self._events.close()
         result = self._result()
         self._write_report(result)
