@@ -1652,7 +1652,8 @@ def test_a_forked_child_s_writes_stay_its_own(cpu_allocator):
     # DataLoader worker writing in place to a tensor made before the fork must not
     # change the parent's, as under plain fork() copy-on-write.
     import os
-    import time
+
+    from tests.forking import exit_code_of
 
     cpu_allocator(64 << 20)
     tensor = torch.zeros(3 << 20, dtype=torch.uint8)  # 3 MiB: two pages, one whole
@@ -1667,14 +1668,7 @@ def test_a_forked_child_s_writes_stay_its_own(cpu_allocator):
             os._exit(0 if int(tensor[::4096].min()) == 7 and int(fresh.max()) == 5 else 3)
         finally:
             os._exit(4)
-    deadline = time.monotonic() + 120
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child did not end within 120 s")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert exit_code_of(pid, "writing its tensor", timeout_s=120) == 0
     assert int(tensor.max()) == 0  # the parent's tensor is untouched
 
 

@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
+from tests.forking import child_can_take
 from wwrun import forksafe
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -16,30 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 STRESS_LOADERS = int(os.environ.get("WWRUN_FORK_STRESS_LOADERS", "100"))
 """DataLoaders (of 2 forked workers each) in the stress test: about 30 s here on a
 loaded 2-core machine; raise it for a soak run (WWRUN_FORK_STRESS_LOADERS=2000)."""
-
-
-def child_can_take(lock, hold_in_other_thread: bool) -> int:
-    """Fork while (another thread) holds `lock`; the child's exit code: 0 if it
-    could take the lock within 5 s, 1 if not."""
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with lock:
-            held.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=holder)
-    if hold_in_other_thread:
-        thread.start()
-        assert held.wait(30)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if lock.acquire(timeout=5) else 1)
-    release.set()
-    if hold_in_other_thread:
-        thread.join(30)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def test_a_lock_another_thread_held_at_fork_is_free_in_the_child():

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import wwrun
+from tests.forking import exit_code_of
 from wwrun import JobSpec, LaunchConfig
 from wwrun.launcher import JobState, launch
 
@@ -982,18 +983,12 @@ def test_a_forked_child_imports_a_module_another_thread_was_still_importing(tmp_
                 os._exit(0 if half_made.value == 42 else 1)
             finally:
                 os._exit(2)
-        deadline = time.monotonic() + 30
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's import did not end within 30 s")
+        code = exit_code_of(pid, "importing the module")
     finally:
         gate.leave.set()
         importer.join(30)
         in_parent = sys.modules.pop("half_made", None)
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert code == 0
     assert in_parent.value == 42  # the parent's own import ended as usual
 
 

@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
 from pathlib import Path
 
@@ -246,39 +245,20 @@ def test_a_forked_child_draws_a_tqdm_bar_while_another_thread_held_tqdm_s_lock()
     workers and bars then waited on the shared one (`datasets` formats a batch with a
     tqdm call in each worker)."""
     tqdm = pytest.importorskip("tqdm")
+    from tests.forking import exit_code_of, holding
     from wwrun import libstate
 
     libstate.install()
-    lock = tqdm.tqdm.get_lock()
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with lock:
-            held.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert held.wait(30)
+    with holding(tqdm.tqdm.get_lock()) as release:
         pid = os.fork()
         if pid == 0:
             try:
-                with tqdm.tqdm.get_lock():
+                with tqdm.tqdm.get_lock():  # its acquire returns None: a `with` says it was taken
                     os._exit(0)
             finally:
                 os._exit(2)
-    finally:
-        release.set()
-        thread.join(30)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child still waited for tqdm's lock after 30 s")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+        release()  # the process-shared lock is free again for the child; the thread lock is its own
+    assert exit_code_of(pid, "taking tqdm's lock") == 0
 
 
 def test_wandb_logs_two_jobs_at_once_as_alone(tmp_path):
