@@ -609,6 +609,27 @@ def test_a_signal_sent_to_the_process_reaches_each_job_s_handler_or_ends_the_job
         ("succeeded", 0, None), ("failed", 138, "killed by SIGUSR1")]
 
 
+def test_signals_ignored_at_the_start_stay_ignored_as_under_python(tmp_path):
+    """`nohup wwrun ...` ignores SIGHUP, and a non-interactive shell's `wwrun ... &`
+    ignores SIGINT: a `python` process keeps them ignored. Under wwrun the SIGHUP nohup
+    was there to ignore ended the job (code 129), and a background run's SIGINT stopped
+    every job."""
+    script = str(SCRIPTS / "ignored_signals.py")
+
+    def ignoring():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    alone = subprocess.run([sys.executable, script], preexec_fn=ignoring, capture_output=True, text=True,
+                           timeout=60)
+    assert alone.stdout == "True True\nsurvived\n", alone.stderr
+    done = subprocess.run([sys.executable, "-m", "wwrun", "--quiet", "--log-dir", str(tmp_path / "logs"), script],
+                          preexec_fn=ignoring, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "logs" / "latest" / "ignored_signals" / "stdout.log").read_text() == alone.stdout
+
+
 def test_a_job_s_own_signals_and_alarms_reach_it_alone(tmp_path):
     """`os.kill(os.getpid(), ...)` and an alarm's SIGALRM are the job's: they reached
     every job (ending those without a handler), and an alarm a job left set ended the

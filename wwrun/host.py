@@ -69,7 +69,11 @@ def handle_interrupts(handler, relay=None) -> Callable[[], None]:
     the launcher, holding locks that threads of the parent held at fork."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    handled = (signal.SIGINT, signal.SIGTERM, *(RELAYED_SIGNALS if relay is not None else ()))
+    # Ctrl-C and SIGTERM ignored at the start stay ignored, as a `python` process keeps
+    # them; a relayed signal ignored so is still relayed, and ignored by each job that
+    # keeps Python's default (`isolation._python_default`).
+    stops = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
+    handled = (*stops, *(RELAYED_SIGNALS if relay is not None else ()))
     previous = {sig: signal.getsignal(sig) for sig in handled}
     launcher = os.getpid()
 

@@ -1206,9 +1206,18 @@ def _called_from_job_code(job: JobContext) -> bool:
     return any(caller is module.__dict__ for module in job.modules.values())
 
 
+_IGNORED_AT_START = frozenset(
+    sig for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, name, None) for name in ("SIGHUP", "SIGUSR1", "SIGUSR2")))
+    if sig is not None and signal.getsignal(sig) is signal.SIG_IGN)
+"""Signals this process was started with ignored (`nohup`'s SIGHUP, SIGINT for a job of
+a non-interactive shell's `&`): a `python` process keeps them ignored."""
+
+
 def _python_default(signalnum) -> object:
     """A signal's handler in a fresh `python` process: what a job has until it sets one
     (not the launcher's, which a handler chaining to it called: every job stopped)."""
+    if signalnum in _IGNORED_AT_START:
+        return signal.SIG_IGN
     if signalnum == signal.SIGINT:
         return signal.default_int_handler
     if signalnum in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)):
