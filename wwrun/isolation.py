@@ -1207,10 +1207,12 @@ def _called_from_job_code(job: JobContext) -> bool:
 
 
 _IGNORED_AT_START = frozenset(
-    sig for sig in (signal.SIGINT, signal.SIGTERM, *(getattr(signal, name, None) for name in ("SIGHUP", "SIGUSR1", "SIGUSR2")))
+    sig for sig in (getattr(signal, name, None) for name in ("SIGHUP", "SIGUSR1", "SIGUSR2"))
     if sig is not None and signal.getsignal(sig) is signal.SIG_IGN)
-"""Signals this process was started with ignored (`nohup`'s SIGHUP, SIGINT for a job of
-a non-interactive shell's `&`): a `python` process keeps them ignored."""
+"""Relayed signals this process was started with ignored (`nohup`'s SIGHUP): a `python`
+process keeps them ignored. (An ignored Ctrl-C or SIGTERM gets no handler of the run's,
+`host.handle_interrupts`; a scale-out engine ignores Ctrl-C itself, and relays the
+driver's to its jobs.)"""
 
 
 def _python_default(signalnum) -> object:
