@@ -1137,11 +1137,24 @@ def _threading_register_atexit(func, *args, **kwargs):
         if call.func is func and call.args == args:
             with _library_exit_lock:
                 _library_thread_exit_hooks.append(call)
+                _stopped_at_exit_modules.add(getattr(func, "__module__", None))
             return
+
+
+def stopped_at_exit(thread: threading.Thread) -> bool:
+    """`thread` is a library's that its `threading._register_atexit` hook stops at the
+    process's exit (its class or target is of the hook's module): joblib's loky
+    executor manager, of an executor every job shares. A job's end does not wait for
+    it (it waited for good, where `python` ends at once); the hook runs at the run's end."""
+    target = getattr(thread, "_target", None)
+    return (type(thread).__module__ in _stopped_at_exit_modules
+            or getattr(target, "__module__", None) in _stopped_at_exit_modules)
 
 
 _library_thread_exit_hooks: list = []
 """The `threading._register_atexit` calls (partials) libraries made from job threads."""
+_stopped_at_exit_modules: set = set()
+"""The modules of those hooks (kept: a library registers its hook once a process)."""
 _library_exit_handlers: list = []
 """(func, args, kwargs) that libraries registered with atexit from the jobs' threads."""
 _library_exit_lock = forksafe.Lock()

@@ -209,22 +209,11 @@ def _join_job_threads(ctx: isolation.JobContext) -> None:
     _shut_down_executors(ctx)
     while True:
         pending = [t for t in list(ctx.threads)
-                   if t is not me and not t.daemon and t.is_alive() and not _runs_a_shared_executor(t)]
+                   if t is not me and not t.daemon and t.is_alive() and not isolation.stopped_at_exit(t)]
         if not pending:
             return
         for thread in pending:
             thread.join(0.1)
-
-
-_SHARED_EXECUTOR_THREADS = ("joblib.externals.loky.process_executor", "loky.process_executor")
-"""Modules whose manager threads run an executor every job shares: joblib's reusable
-executor (loky's), kept in a module global. Their `threading._register_atexit` hook
-stops them at the process's exit, so a job's end does not wait for them: it waited
-for good, where `python` ends at once."""
-
-
-def _runs_a_shared_executor(thread: threading.Thread) -> bool:
-    return type(thread).__module__ in _SHARED_EXECUTOR_THREADS
 
 
 def _shut_down_executors(ctx: isolation.JobContext) -> None:

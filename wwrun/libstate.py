@@ -65,8 +65,8 @@ import functools
 import importlib.abc
 import sys
 import threading
-import weakref
 import types
+import weakref
 from collections.abc import Callable
 
 from wwrun import forksafe, isolation

@@ -241,16 +241,16 @@ def _per_job_rand(mtrand) -> None:
     if getattr(base, "_wwrun_per_job", False):
         return
 
-    def own(module):
+    def own():
         state = getattr(_local, "state", None)
         return state if state is not None and state.numpy is not None else None
 
     def get(module):
-        state = own(module)
+        state = own()
         return module.__dict__["_rand"] if state is None else state.numpy
 
     def set_(module, value):
-        state = own(module)
+        state = own()
         if state is None:
             module.__dict__["_rand"] = value
         else:
