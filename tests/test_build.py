@@ -214,6 +214,25 @@ def test_rng_refuses_to_run_without_its_extension(tmp_path, extensions, monkeypa
     assert rng._extension is None
 
 
+def test_the_extensions_root_is_torch_s_and_finding_it_imports_no_cpp_extension(tmp_path):
+    # cpp_extension logs "No CUDA runtime is found" as it is imported on a machine with
+    # a CUDA build of torch, nvcc and no GPU: a run that builds nothing must not.
+    probe = textwrap.dedent("""\
+        import sys
+        from wwrun import build
+        root = build.extensions_root()
+        print("imported" if "torch.utils.cpp_extension" in sys.modules else "not imported")
+        from torch.utils import cpp_extension
+        print(root.parent == __import__("pathlib").Path(cpp_extension.get_default_build_root()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env.update(PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["not", "imported", "True"]
+
+
 def test_cuda_home_falls_back_to_the_toolkit_when_nvcc_is_a_wrapper(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 

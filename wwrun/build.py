@@ -68,7 +68,6 @@ def extensions_root() -> Path:
     if given:
         return Path(given)
     import torch
-    from torch.utils import cpp_extension
 
     if torch.version.hip is not None:
         accelerator = "rocm" + torch.version.hip.replace(".", "")
@@ -77,7 +76,21 @@ def extensions_root() -> Path:
     else:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(cpp_extension.get_default_build_root()) / f"{python}_{accelerator}"
+    return _default_build_root() / f"{python}_{accelerator}"
+
+
+def _default_build_root() -> Path:
+    """`cpp_extension.get_default_build_root()`, without importing cpp_extension on
+    every run: a CUDA build of torch on a machine with no GPU logs "No CUDA runtime
+    is found" as that module is imported, which a run that builds nothing need not
+    print."""
+    try:
+        from torch import _appdirs
+    except ImportError:  # a torch without it: ask cpp_extension
+        from torch.utils import cpp_extension
+
+        return Path(cpp_extension.get_default_build_root())
+    return Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")))
 
 
 def cuda_home() -> tuple[str | None, str]:
