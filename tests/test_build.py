@@ -233,6 +233,26 @@ def test_the_extensions_root_is_torch_s_and_finding_it_imports_no_cpp_extension(
     assert done.stdout.split() == ["not", "imported", "True"]
 
 
+def test_a_cuda_build_on_a_machine_with_no_gpu_names_torch_s_architectures(monkeypatch):
+    # torch derives TORCH_CUDA_ARCH_LIST from the visible GPUs: with none, its build
+    # failed ("list index out of range"), so `wwrun build` could not make an image on
+    # a builder without a GPU (test_cli's `wwrun build` test runs it on a CUDA torch).
+    import torch
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_90a", "sm_120", "compute_120"])
+    assert build._cuda_arch_list() == "7.5;9.0a;12.0+PTX"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert build._cuda_arch_list() is None  # torch's own choice: the GPU it sees
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert build._cuda_arch_list() is None  # the user's word stands
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])  # a CPU build of torch
+    assert build._cuda_arch_list() is None
+
+
 def test_cuda_home_falls_back_to_the_toolkit_when_nvcc_is_a_wrapper(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
