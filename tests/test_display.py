@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
+import pty
 import re
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from rich.console import Console
 
-from wwrun.display import LiveDisplay, QuietDisplay, _print_rich_summary, short_error, summary_errors, summary_lines
+from wwrun.display import LiveDisplay, PlainDisplay, QuietDisplay, _print_rich_summary, short_error, summary_errors, summary_lines
 from wwrun.launcher import JobResult, JobState, RunResult
 
+SCRIPTS = Path(__file__).parent / "scripts"
 TOO_LARGE = (
     "JobTooLarge: job 'cnn' needs at least 1.1MiB (39.7KiB persistent + 1.1MiB activations) but the "
     "memory limit is 1.0MiB: it cannot fit even alone (use a smaller batch or model, or raise --memory-limit)"
@@ -176,3 +188,97 @@ def test_a_run_off_a_terminal_loads_no_more_than_it_needs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "[modules] []" in done.stdout.splitlines()
     assert re.search(r"^job +state +exit +time +peak allocated +error$", done.stderr, re.M)  # the plain summary
+
+
+def test_a_prompt_stays_on_its_row_until_another_job_writes():
+    out, err = io.StringIO(), io.StringIO()
+    display = PlainDisplay(out, err)
+    display.prompt("ask", "stdout", "name? ")
+    assert out.getvalue() == "[ask] name? "  # the user types after it
+    display.line("ask", "stdout", "hello Bob")  # after their Enter: a row of its own
+    display.prompt("ask", "stdout", "(Pdb) ")
+    display.line("other", "stdout", "step 5")  # the prompt's row is ended first
+    display.prompt("ask", "stdout", "(Pdb) ")
+    display.note("other: succeeded")
+    assert out.getvalue() == "[ask] name? [ask] hello Bob\n[ask] (Pdb) \n[other] step 5\n[ask] (Pdb) \n"
+    assert err.getvalue() == "[wwrun] other: succeeded\n"
+
+
+def test_the_live_table_gives_way_to_plain_lines_once_a_job_reads_the_terminal():
+    out, err = io.StringIO(), io.StringIO()
+    display = LiveDisplay(out, err, tee=False)
+    listing = SimpleNamespace(tail=["> train.py(7)<module>()", "-> loss.backward()"], last_line="(Pdb) ")
+    display.start(SimpleNamespace(jobs=[SimpleNamespace(result=_job("dbg", JobState.RUNNING), output=listing)],
+                                  memory_of=lambda name: 0))
+    display.line("dbg", "stdout", "-> loss.backward()")  # in the table only
+    assert out.getvalue() == ""
+    display.prompt("dbg", "stdout", "(Pdb) ")
+    display.line("dbg", "stdout", "tensor(0.5)")
+    display.note("a note")
+    assert out.getvalue() == "[dbg] > train.py(7)<module>()\n[dbg] -> loss.backward()\n[dbg] (Pdb) [dbg] tensor(0.5)\n"
+    assert "dbg reads the terminal: job lines are printed as they come" in err.getvalue()
+    assert err.getvalue().endswith("[wwrun] a note\n")
+
+
+class _Terminal:
+    """`python -m wwrun args` with its stdin, stdout and stderr on a pseudo-terminal
+    (120x40, so wwrun draws its live table), as a user at a terminal runs it."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.main, side = pty.openpty()
+        fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.process = subprocess.Popen([sys.executable, "-m", "wwrun", *args], stdin=side, stdout=side,
+                                        stderr=side, cwd=cwd, env={**os.environ, "TERM": "xterm-256color"})
+        os.close(side)
+        self.screen = bytearray()
+
+    def read_until(self, pattern: bytes, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while pattern not in self.screen:
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {pattern!r} on the terminal after {seconds} s: {bytes(self.screen[-2000:])!r}")
+            if select.select([self.main], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(self.main, 65536)
+                except OSError:  # the terminal's other side closed: wwrun has ended
+                    chunk = b""
+                if not chunk:
+                    pytest.fail(f"wwrun ended without {pattern!r}: {bytes(self.screen[-2000:])!r}")
+                self.screen.extend(chunk)
+
+    def close(self) -> str:
+        """What the terminal showed, lines ended by newlines."""
+        if self.process.poll() is None:
+            self.process.kill()
+        os.close(self.main)
+        return bytes(self.screen).decode().replace("\r\n", "\n")
+
+
+def test_a_job_asking_at_a_terminal_shows_its_prompt_and_what_it_printed_before(tmp_path):
+    """`input()` or `breakpoint()` in a lone job run from a terminal: the prompt and the
+    job's lines are on the screen, where the live table showed only the last line."""
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks.py")], tmp_path)
+    try:
+        terminal.read_until(b"[asks] name? ", 300)  # the first run of a session may build the C++ parts
+        os.write(terminal.main, b"Bob\n")
+        terminal.read_until(b"job(s) in", 120)
+        assert terminal.process.wait(timeout=60) == 0
+    finally:
+        lines = terminal.close()
+    assert "[asks] listing before the prompt\n" in lines
+    assert "[asks] name? Bob\n[asks] hello Bob\n" in lines  # the terminal echoes what was typed
+
+
+def test_ctrl_c_reaches_a_job_waiting_at_a_prompt(tmp_path):
+    """Under `python` a Ctrl-C ends an `input()` at once; a job's read blocked in C held
+    it back until the user's Enter, and the job was abandoned after the grace period."""
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks.py")], tmp_path)
+    try:
+        terminal.read_until(b"[asks] name? ", 300)
+        terminal.process.send_signal(signal.SIGINT)
+        terminal.read_until(b"job(s) in", 120)
+        assert terminal.process.wait(timeout=60) == 130
+    finally:
+        lines = terminal.close()
+    assert "[asks] interrupted at the prompt\n" in lines
+    assert "did not stop within the grace period" not in lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -161,3 +162,38 @@ def test_a_line_written_a_piece_at_a_time_shows_its_start_then_is_kept_whole(tmp
     output.close_writers()
     pump.close()
     assert list(output.tail) == [("\t" + "." * _SHOWN_BYTES) * 3]
+
+
+def test_a_prompt_is_shown_as_its_job_reads_and_its_line_goes_on_after_what_the_user_typed(tmp_path):
+    """`input("name? ")` on a terminal: the prompt has no newline, so it was shown only
+    in the live table's last-line cell, and pdb's listing before `(Pdb) ` not at all."""
+    lines, prompts, shown = [], [], threading.Event()
+    pump = Pump(lambda job, stream, line: lines.append(line),
+                lambda job, stream, text: (prompts.append((job, stream, text)), shown.set()))
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+    output.stdout.write("listing\nname? ")
+    output.stdout.flush()
+    pump.prompt(output)  # from the job's thread, as it reads the terminal
+    assert shown.wait(30)
+    assert prompts == [("j", "stdout", "name? ")] and lines == ["listing"]
+    print("hello Bob", file=output.stdout)  # the user typed "Bob" and Enter: a row of its own
+    output.close_writers()
+    pump.close(timeout=30)
+    assert lines == ["listing", "hello Bob"]
+    assert output.tail[-1] == "name? hello Bob"  # the report's lines and the log keep what was written
+    assert (tmp_path / "j" / "stdout.log").read_text() == "listing\nname? hello Bob\n"
+
+
+def test_settle_returns_once_the_pump_has_read_what_the_job_wrote(tmp_path):
+    """A job's last lines before the line saying it ended ('[wwrun] j: succeeded')."""
+    lines = []
+    pump = Pump(lambda job, stream, line: lines.append(line))
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+    for i in range(3):
+        print(f"last {i}", file=output.stdout)
+    pump.settle(output, timeout=30)
+    assert lines == ["last 0", "last 1", "last 2"]
+    output.close_writers()
+    pump.close(timeout=30)

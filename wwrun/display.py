@@ -7,6 +7,8 @@
   and a plain-text summary; rich is not even imported (it would cost every run's
   start-up about 50 ms: benchmarks/launcher_overhead.py).
 - `--quiet`: the summary only.
+- A job that reads the terminal (`input()`, pdb) needs the screen: its prompt is
+  shown as it waits, and from then on the live table gives way to plain lines.
 
 The summary keeps one line per job, whatever the width; the full error of each job
 that has one follows it (`name: error`).
@@ -64,15 +66,15 @@ class _Lines:
         self.stream = stream
         self.gone = False
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, end: str = "\n") -> None:
         if self.gone:
             return
         try:
             try:
-                self.stream.write(text + "\n")
+                self.stream.write(text + end)
             except UnicodeEncodeError:  # a stream that cannot take every character (LANG=C)
                 encoding = getattr(self.stream, "encoding", None) or "ascii"
-                self.stream.write(text.encode(encoding, "replace").decode(encoding) + "\n")
+                self.stream.write(text.encode(encoding, "replace").decode(encoding) + end)
             self.stream.flush()
         except BrokenPipeError:
             self.gone = True
@@ -94,6 +96,9 @@ class QuietDisplay:
 
     def line(self, job: str, stream: str, text: str) -> None:
         pass
+
+    def prompt(self, job: str, stream: str, text: str) -> None:
+        """The job is about to read the terminal, after writing `text` (no newline)."""
 
     def state(self, result) -> None:
         pass
@@ -122,15 +127,33 @@ class PlainDisplay(QuietDisplay):
         self.out = self.err if out is err else _Lines(out)
         self._lock = threading.Lock()
         self._shown: dict[str, str] = {}
+        self._prompt_open: tuple[str, str] | None = None
+        """(job, stream) of a prompt shown on the screen's last row, not yet ended."""
 
     def note(self, text: str, important: bool = True) -> None:
         with self._lock:
+            self._end_prompt_row(None)
             self.err.write(f"[wwrun] {text}")
 
     def line(self, job: str, stream: str, text: str) -> None:
         lines = self.out if stream == "stdout" else self.err
         with self._lock:
+            self._end_prompt_row((job, stream))
             lines.write(f"[{job}] {text}")
+
+    def prompt(self, job: str, stream: str, text: str) -> None:
+        lines = self.out if stream == "stdout" else self.err
+        with self._lock:
+            self._end_prompt_row((job, stream))
+            lines.write(f"[{job}] {text}", end="")
+            self._prompt_open = (job, stream)
+
+    def _end_prompt_row(self, writer: tuple[str, str] | None) -> None:
+        """Before another job's line (or a note), end the row a prompt left open; the
+        prompting job's own next line comes after the user's Enter, on a row of its own."""
+        if self._prompt_open is not None and self._prompt_open != writer:
+            (self.out if self._prompt_open[1] == "stdout" else self.err).write("")
+        self._prompt_open = None
 
     def state(self, result) -> None:
         # Waits for memory come and go with every NodeGroup: the live table and the
@@ -142,7 +165,16 @@ class PlainDisplay(QuietDisplay):
         if result.reason:
             detail = f": {result.reason}"
         with self._lock:
+            self._end_prompt_row(None)
             self.err.write(f"[wwrun] {result.name}: {result.state.value}{detail}")
+
+    def stop(self, result) -> None:
+        self.end_prompt_row()
+        super().stop(result)
+
+    def end_prompt_row(self) -> None:
+        with self._lock:
+            self._end_prompt_row(None)
 
 
 class LiveDisplay(QuietDisplay):
@@ -150,9 +182,12 @@ class LiveDisplay(QuietDisplay):
 
     def __init__(self, out, err, tee: bool):
         super().__init__(err)
+        self.out = out
         self.console = _console(err)
         self.tee = tee
         self._live = None
+        self._plain: PlainDisplay | None = None
+        """Once a job read the terminal: every line as it comes, no table."""
 
     def start(self, runner) -> None:
         from rich.live import Live
@@ -168,20 +203,42 @@ class LiveDisplay(QuietDisplay):
     def line(self, job: str, stream: str, text: str) -> None:
         from rich.text import Text
 
-        if self.tee and self._live is not None:
+        if self._plain is not None:
+            self._plain.line(job, stream, text)
+        elif self.tee and self._live is not None:
             self._live.console.print(Text.assemble((f"[{job}] ", "bold"), text))
 
+    def prompt(self, job: str, stream: str, text: str) -> None:
+        # A table redrawn under a prompt would hide it, what the job printed before it
+        # (pdb's listing) and what the user types: the screen becomes plain lines.
+        if self._plain is None:
+            if self._live is not None:
+                self._live.stop()
+            self._plain = PlainDisplay(self.out, self.err.stream)
+            self._plain.note(f"{job} reads the terminal: job lines are printed as they come from now on")
+            if not self.tee:  # what it printed before its prompt (pdb's listing)
+                output = next((j.output for j in self.runner.jobs if j.result.name == job), None)
+                for line in output.tail if output else ():
+                    self._plain.line(job, "stdout", line)
+        self._plain.prompt(job, stream, text)
+
     def state(self, result) -> None:
-        pass
+        if self._plain is not None:
+            self._plain.state(result)
 
     def note(self, text: str, important: bool = True) -> None:
+        if self._plain is not None:
+            self._plain.note(text, important)
+            return
         self.console.print(f"[wwrun] {text}", markup=False)
 
     def explain(self, text: str) -> None:
         self.console.print(text, markup=False)
 
     def stop(self, result) -> None:
-        if self._live is not None:
+        if self._plain is not None:
+            self._plain.end_prompt_row()
+        elif self._live is not None:
             self._live.stop()
         _print_rich_summary(self.console, result)
 

@@ -85,6 +85,7 @@ import io
 import itertools
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -336,17 +337,40 @@ def find_spec(job: JobContext, name: str):
     return spec if spec is not None else importlib.util.find_spec(name)
 
 
-def job_stdin(reads_launcher_stdin: bool) -> io.TextIOBase:
+class _TerminalReader(io.FileIO):
+    """fd 0 when it is a terminal: `before_read()` runs before each read, so that what
+    the job wrote before it waits for the user (a prompt: `input("name? ")`, pdb's
+    `(Pdb) `) is on the screen when it does."""
+
+    def __init__(self, before_read: Callable[[], None]):
+        super().__init__(0, "r", closefd=False)
+        self._before_read = before_read
+
+    def readinto(self, buffer):
+        self._before_read()
+        # Polled, not one blocking read: a Ctrl-C reaches a job as an exception raised in
+        # its thread, which a read blocked in C would hold back until the user's Enter;
+        # under `python` it ends the wait at once.
+        while not select.select([self], [], [], 0.25)[0]:
+            pass
+        return super().readinto(buffer)
+
+
+def job_stdin(reads_launcher_stdin: bool, before_terminal_read: Callable[[], None] | None = None) -> io.TextIOBase:
     """A job's standard input: the launcher's own (a lone job, or the one job of a
     recipe with `stdin: true`), else end of file as from /dev/null.
 
     A new reader over fd 0 that never closes it: the job may close its sys.stdin, and
-    the launcher closes the job's copy when it ends.
+    the launcher closes the job's copy when it ends. When fd 0 is a terminal,
+    `before_terminal_read` runs before each read of it.
     """
     if reads_launcher_stdin:
         original = _originals.get("stdin", sys.__stdin__)
         try:
-            raw = io.FileIO(0, "r", closefd=False)
+            if before_terminal_read is not None and os.isatty(0):
+                raw = _TerminalReader(before_terminal_read)
+            else:
+                raw = io.FileIO(0, "r", closefd=False)
         except OSError:  # no fd 0 (started with stdin closed)
             pass
         else:

@@ -1,5 +1,6 @@
 """Job output: every job writes into its own pair of pipes; one pump thread drains
-them all into the job's log files and hands complete lines to the display.
+them all into the job's log files and hands complete lines to the display (and, as a
+job is about to read the terminal, the prompt it wrote before: `Pump.prompt`).
 
 Pipes rather than Python-level buffers, because a job's output comes from more than
 its own thread: threads it starts, forked DataLoader workers (they inherit the fds)
@@ -24,6 +25,7 @@ import collections
 import io
 import os
 import re
+import select
 import selectors
 import threading
 from collections.abc import Callable
@@ -66,6 +68,8 @@ class JobOutput:
         self._read_fds: dict[int, str] = {}
         self._logs: dict[str, io.BufferedWriter] = {}
         self._partial: dict[str, bytes] = {}
+        self._shown: dict[str, int] = {}
+        """Of each partial line, the bytes the display already showed as a prompt."""
         self.fds: dict[str, int] = {}
         for stream in ("stdout", "stderr"):
             read_fd, write_fd = os.pipe()
@@ -73,6 +77,7 @@ class JobOutput:
             self.fds[stream] = write_fd
             self._logs[stream] = open(folder / f"{stream}.log", "wb")  # noqa: SIM115
             self._partial[stream] = b""
+            self._shown[stream] = 0
         # Line-buffered text streams over the pipes: what the job sees as sys.stdout/err.
         self.stdout = self._text_stream("stdout")
         self.stderr = self._text_stream("stderr")
@@ -139,7 +144,19 @@ class JobOutput:
         if line.strip():
             self.last_line = line
             self.tail.append(line)
-        on_line(self.name, stream, line)
+        # A line begun by a prompt the display showed goes on past what the user typed
+        # (their Enter ended the screen's row): only its rest is still to show.
+        shown, self._shown[stream] = self._shown[stream], 0
+        on_line(self.name, stream, printable(raw[shown:].decode("utf-8", "backslashreplace")) if shown else line)
+
+    def _prompt(self, on_prompt: LineSink) -> None:
+        """Hand the display what each stream holds of a line not yet ended: the job is
+        about to wait for the user, after a prompt (`input("name? ")`)."""
+        for stream, partial in self._partial.items():
+            rest = partial[self._shown[stream]:]
+            if rest:
+                self._shown[stream] = len(partial)
+                on_prompt(self.name, stream, printable(rest.decode("utf-8", "backslashreplace")))
 
     def _finish(self, stream: str, on_line: LineSink) -> None:
         rest = self._partial[stream]
@@ -152,8 +169,12 @@ class JobOutput:
 class Pump:
     """One thread draining every job's pipes (a selector over the read ends)."""
 
-    def __init__(self, on_line: LineSink):
+    def __init__(self, on_line: LineSink, on_prompt: LineSink | None = None):
         self._display = on_line
+        self._display_prompt = on_prompt
+        self._requests: list[tuple[JobOutput, threading.Event | None]] = []
+        """Jobs whose pipes to read empty now: then show the job's prompt (None) or set
+        the event."""
         self._selector = selectors.DefaultSelector()
         self._lock = forksafe.Lock()
         self._open = 0
@@ -171,12 +192,40 @@ class Pump:
                 self._open += 1
         os.write(self._wake_w, b"x")
 
+    def prompt(self, output: JobOutput) -> None:
+        """`output`'s job is about to read the terminal: what it wrote before (a prompt)
+        is shown now, not when a newline ends it. Called from the job's thread, after
+        its write: the pump reads the job's pipes empty, then shows what is left."""
+        if self._display_prompt is not None:
+            self._request(output, None)
+
+    def settle(self, output: JobOutput, timeout: float = 1.0) -> None:
+        """Wait until the pump has read what `output`'s job wrote so far (at most
+        `timeout` s: a display stalled by a paused terminal), so that its last lines
+        are shown before the line saying it ended."""
+        done = threading.Event()
+        self._request(output, done)
+        if self._thread.is_alive():
+            done.wait(timeout)
+
+    def _request(self, output: JobOutput, done: threading.Event | None) -> None:
+        with self._lock:
+            self._requests.append((output, done))
+        os.write(self._wake_w, b"x")
+
     def _run(self) -> None:
         while True:
             with self._lock:
                 if self._stopping and self._open == 0:
                     return
                 drain = self._stopping and self._until_drained
+                requests, self._requests = self._requests, []
+            for output, done in requests:
+                self._read_now(output)
+                if done is None:
+                    output._prompt(self._on_prompt)
+                else:
+                    done.set()
             events = self._selector.select(timeout=0 if drain else 0.5)
             if drain and not events:
                 self._finish_open()
@@ -198,6 +247,21 @@ class Pump:
                     os.close(key.fd)
                     self._open -= 1
                 output._finish(stream, self._on_line)
+
+    def _read_now(self, output: JobOutput) -> None:
+        """Read `output`'s pipes until they hold nothing more for now."""
+        with self._lock:
+            keys = [key for key in self._selector.get_map().values()
+                    if key.data is not None and key.data[0] is output]
+        for key in keys:
+            while select.select([key.fd], [], [], 0)[0]:
+                try:
+                    data = os.read(key.fd, _CHUNK)
+                except OSError:
+                    data = b""
+                if not data:  # end of file: the loop's next select sees it too
+                    break
+                output._feed(key.data[1], data, self._on_line)
 
     def _finish_open(self) -> None:
         """Every pipe drained but some still open (a helper holds a copy): their jobs'
@@ -221,7 +285,15 @@ class Pump:
         try:
             self._display(job, stream, line)
         except (OSError, ValueError):
-            self._display = None
+            self._display = self._display_prompt = None
+
+    def _on_prompt(self, job: str, stream: str, text: str) -> None:
+        if self._display_prompt is None:
+            return
+        try:
+            self._display_prompt(job, stream, text)
+        except (OSError, ValueError):
+            self._display = self._display_prompt = None
 
     def close(self, timeout: float = 5.0, until_drained: bool = False) -> None:
         """Wait until every pipe reached end of file (all writers closed), then stop;

@@ -33,6 +33,7 @@ state and last lines (`wwrun show`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -145,6 +146,7 @@ class Runner:
         self._children_before: set[int] = set()
         self._report_due = 0.0
         self._crash_log: host.CrashLog | None = None
+        self._pump: Pump | None = None  # drains every job's pipes while the run goes on
         self.started = time.time()
         from wwrun.memory import Memory
 
@@ -177,7 +179,7 @@ class Runner:
         self._children_before = host.child_pids()
         end_subreaper = host.become_subreaper()
         self._crash_log = host.CrashLog(self.run_dir)
-        pump = Pump(self.display.line)
+        self._pump = Pump(self.display.line, self.display.prompt)
         restore_signals = host.handle_interrupts(self._on_signal, self._relay_signal)
         self.display.start(self)
         restore_threads = host.share_cpu_threads(self.concurrency, self.display.note, self._cpu_threads)
@@ -185,7 +187,7 @@ class Runner:
         try:
             for job in self.jobs:
                 self._set_state(job, JobState.PENDING)
-            self._schedule(pump)
+            self._schedule()
         finally:
             thaw()
             restore_threads()
@@ -201,7 +203,7 @@ class Runner:
             # A helper that lives on with the process (joblib's resource tracker) holds
             # its job's pipe until then: with nothing else alive, what is left in the
             # pipes is read, and no end of file is waited for.
-            pump.close(until_drained=not host.others_alive(self._children_before))
+            self._pump.close(until_drained=not host.others_alive(self._children_before))
             self._events.close()
         result = self._result()
         self._write_report(result)
@@ -239,7 +241,7 @@ class Runner:
             except (ImportError, RuntimeError, OSError) as err:
                 self.display.note(f"no memory plot: {err}")
 
-    def _schedule(self, pump: Pump) -> None:
+    def _schedule(self) -> None:
         """Start jobs as slots free up, enforce timeouts and --halt, and return when
         every job has ended. Never waits on a thread that is gone, nor unboundedly."""
         limit = self.concurrency
@@ -275,7 +277,7 @@ class Runner:
                     if job is None:
                         break
                     self._queue.remove(job)
-                    self._start(job, pump)
+                    self._start(job)
                     active.append(job)
                 for job in self._queue:
                     if job.result.state == JobState.PENDING:
@@ -347,7 +349,7 @@ class Runner:
             job.stop_delivered = True
             isolation.deliver_signal(job.context, signal.SIGTERM)
 
-    def _start(self, job: Job, pump: Pump) -> None:
+    def _start(self, job: Job) -> None:
         spec = job.spec
         job.attempts += 1
         job.interrupted = False
@@ -355,7 +357,7 @@ class Runner:
         job.result.log_dir = str(folder)
         job.result.extra["attempts"] = job.attempts
         job.output = JobOutput(spec.name, folder)
-        pump.add(job.output)
+        self._pump.add(job.output)
         script_dir = os.path.dirname(spec.script) if spec.script else job.result.cwd
         if job.own_cwd and not os.path.isdir(spec.cwd):
             try:
@@ -372,7 +374,8 @@ class Runner:
             stderr=job.output.stderr,
             stdout_fd=job.output.fds["stdout"],
             stderr_fd=job.output.fds["stderr"],
-            stdin=isolation.job_stdin(spec.stdin or len(self.jobs) == 1),
+            stdin=isolation.job_stdin(spec.stdin or len(self.jobs) == 1,
+                                      before_terminal_read=functools.partial(self._pump.prompt, job.output)),
             writes=self.writes,
         )
         job.result.started = time.time()
@@ -415,6 +418,7 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001 - a bug of ours
             code, error = 1, f"wwrun: {type(exc).__name__}: {exc}"
         finally:
+            self._pump.settle(job.output)  # its last lines before the line saying it ended
             # Whatever happened above, the launcher hears that this job ended: it
             # waits on the job's state, and a thread that dies silently would leave
             # it waiting forever (issue 11).

@@ -131,6 +131,9 @@ class _Forward:
     def line(self, job: str, stream: str, text: str) -> None:
         self.core.send(("line", job, stream, text))
 
+    def prompt(self, job: str, stream: str, text: str) -> None:
+        pass  # an engine's jobs read no terminal: its stdin is /dev/null
+
     def state(self, result) -> None:
         details = {"exit_code": result.exit_code, "error": result.error, "started": result.started,
                    "ended": result.ended, "reason": result.reason}
