@@ -21,7 +21,15 @@ import pytest
 
 from rich.console import Console
 
-from wwrun.display import LiveDisplay, PlainDisplay, QuietDisplay, _print_rich_summary, short_error, summary_errors, summary_lines
+from wwrun.display import (
+    LiveDisplay,
+    PlainDisplay,
+    QuietDisplay,
+    _print_rich_summary,
+    short_error,
+    summary_errors,
+    summary_lines,
+)
 from wwrun.launcher import JobResult, JobState, RunResult
 
 SCRIPTS = Path(__file__).parent / "scripts"

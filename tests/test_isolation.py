@@ -328,7 +328,6 @@ def test_an_interrupt_landing_in_a_finalizer_still_reaches_the_job(tmp_path):
     """Python drops an exception raised in `__del__` ("Exception ignored in ..."); an
     interrupt that lands there is raised again in the job, so its `finally:` runs."""
     import threading
-    import time
 
     count = 4
     ready = [tmp_path / f"ready{i}" for i in range(count)]
@@ -352,7 +351,6 @@ def _interrupt_while_inside(enter_and_wait, gate) -> list[str]:
     """Interrupt a thread while `enter_and_wait()` holds it inside lock-taking code
     until `gate.release` is set; what the thread saw, in order."""
     import threading
-    import time
 
     from wwrun import isolation
 
@@ -413,7 +411,6 @@ def test_an_interrupt_waits_for_the_logging_call_it_would_break(monkeypatch):
     module lock held, and torch's log call at exit hung the process after the
     summary): it is raised once the call is done."""
     import logging
-    import time
 
     gate = _gate(monkeypatch)
 
@@ -439,7 +436,6 @@ def test_an_interrupt_not_raised_before_the_job_ended_is_dropped(tmp_path):
     are not delivered."""
     import signal
     import threading
-    import time
 
     from wwrun import isolation
 
@@ -589,7 +585,6 @@ def test_a_signal_sent_to_the_process_reaches_each_job_s_handler_or_ends_the_job
     """SIGUSR1 (a cluster's "checkpoint now"), SIGUSR2, SIGHUP: left to the process,
     one ended every job at once, even a lone job with its own handler."""
     import threading
-    import time
 
     flags = [tmp_path / "handler-ready", tmp_path / "default-ready"]
 

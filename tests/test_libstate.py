@@ -216,8 +216,6 @@ def test_joblib_runs_two_jobs_work_in_its_workers_and_each_job_ends(tmp_path):
     hook. A job's end waited for it for good; the run's end ended loky's processes before
     that hook ran (its resource tracker then "died unexpectedly")."""
     pytest.importorskip("joblib")
-    from wwrun import JobSpec, LaunchConfig, launch
-
     script = tmp_path / "joblib_job.py"
     script.write_text(
         "import os, sys\nfrom joblib import Parallel, delayed\n"

@@ -23,7 +23,6 @@ allocator; PyTorch's `c10/cuda/CUDACachingAllocator.h`.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
