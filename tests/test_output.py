@@ -178,11 +178,16 @@ def test_a_prompt_is_shown_as_its_job_reads_and_its_line_goes_on_after_what_the_
     assert shown.wait(30)
     assert prompts == [("j", "stdout", "name? ")] and lines == ["listing"]
     print("hello Bob", file=output.stdout)  # the user typed "Bob" and Enter: a row of its own
-    output.close_writers()
+    output.stdout.write("again? ")
+    output.stdout.flush()
+    shown.clear()
+    pump.prompt(output)
+    assert shown.wait(30)
+    output.close_writers()  # it ended after the user's answer: the prompt's row was the last
     pump.close(timeout=30)
-    assert lines == ["listing", "hello Bob"]
-    assert output.tail[-1] == "name? hello Bob"  # the report's lines and the log keep what was written
-    assert (tmp_path / "j" / "stdout.log").read_text() == "listing\nname? hello Bob\n"
+    assert lines == ["listing", "hello Bob"] and prompts[-1] == ("j", "stdout", "again? ")
+    assert list(output.tail)[-2:] == ["name? hello Bob", "again? "]  # the report's lines keep what was written
+    assert (tmp_path / "j" / "stdout.log").read_text() == "listing\nname? hello Bob\nagain? "
 
 
 def test_settle_returns_once_the_pump_has_read_what_the_job_wrote(tmp_path):

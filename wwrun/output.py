@@ -139,15 +139,19 @@ class JobOutput:
         if current.strip():
             self.last_line = current
 
-    def _line(self, stream: str, raw: bytes, on_line: LineSink) -> None:
+    def _line(self, stream: str, raw: bytes, on_line: LineSink, unended: bool = False) -> None:
         line = printable(raw.decode("utf-8", "backslashreplace"))
         if line.strip():
             self.last_line = line
             self.tail.append(line)
         # A line begun by a prompt the display showed goes on past what the user typed
-        # (their Enter ended the screen's row): only its rest is still to show.
+        # (their Enter ended the screen's row): only its rest is still to show. A prompt
+        # shown whole that the job's end left unended has none.
         shown, self._shown[stream] = self._shown[stream], 0
-        on_line(self.name, stream, printable(raw[shown:].decode("utf-8", "backslashreplace")) if shown else line)
+        if not shown:
+            on_line(self.name, stream, line)
+        elif len(raw) > shown or not unended:
+            on_line(self.name, stream, printable(raw[shown:].decode("utf-8", "backslashreplace")))
 
     def _prompt(self, on_prompt: LineSink) -> None:
         """Hand the display what each stream holds of a line not yet ended: the job is
@@ -162,7 +166,7 @@ class JobOutput:
         rest = self._partial[stream]
         if rest:
             self._partial[stream] = b""
-            self._line(stream, rest, on_line)
+            self._line(stream, rest, on_line, unended=True)
         self._logs[stream].close()
 
 
