@@ -236,6 +236,32 @@ def test_joblib_runs_two_jobs_work_in_its_workers_and_each_job_ends(tmp_path):
     assert "resource_tracker" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_joblib_runs_each_job_s_work_in_its_own_workers_folder_and_environment(tmp_path):
+    """loky's reusable executor was one per process: the second job's tasks ran in the
+    first job's workers, in that job's folder and environment, printing into its log."""
+    pytest.importorskip("joblib")
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import os, sys\nfrom joblib import Parallel, delayed\n"
+        "def where(i):\n    print('task', i, 'in', os.environ['TAG'], flush=True)\n"
+        "    return os.path.basename(os.getcwd()), os.environ['TAG']\n"
+        "print(sorted(set(Parallel(n_jobs=2)(delayed(where)(i) for i in range(4)))))\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("jobs:\n" + "".join(
+        f"  - script: {script}\n    name: {name}\n    cwd: 'runs/{{job}}'\n    env: {{TAG: from-{name}}}\n"
+        for name in ("a", "b")))
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--quiet", "--timeout", "120s", "--policy", "concurrent",
+         "--max-concurrent", "1", "--log-dir", str(tmp_path / "logs"), str(recipe)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("a", "b"):  # b after a: a's executor, were it shared, would serve b's tasks
+        out = (tmp_path / "logs" / "latest" / name / "stdout.log").read_text().splitlines()
+        assert out[-1] == f"[('{name}', 'from-{name}')]"
+        assert sorted(out[:-1]) == [f"task {i} in from-{name}" for i in range(4)]
+
+
 def test_a_forked_child_draws_a_tqdm_bar_while_another_thread_held_tqdm_s_lock():
     """tqdm's write lock is a process-shared lock, then a thread lock. A DataLoader worker
     forked while another job's thread drew a bar took the shared one and then waited

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import traceback
+import weakref
 
 from wwrun import isolation, libstate, rng
 from wwrun.config import JobSpec
@@ -221,15 +222,15 @@ def _shut_down_executors(ctx: isolation.JobContext) -> None:
     hook), for this job's executors only: their idle workers are told to stop once
     the queued work is done, so that a script that never called `shutdown()` ends as
     under python instead of waiting on them forever. The hook itself is process-wide:
-    it would stop every job's executors."""
+    it would stop every job's executors. loky's reusable executor (joblib's) is the
+    job's own too (`libstate`), and is shut down so."""
     thread_pools = sys.modules.get("concurrent.futures.thread")
-    process_pools = sys.modules.get("concurrent.futures.process")
     for thread in list(ctx.threads):
         reference = None
         if thread_pools is not None and getattr(thread, "_target", None) is thread_pools._worker:
             reference = thread._args[0]
-        elif process_pools is not None and isinstance(thread, process_pools._ExecutorManagerThread):
-            reference = thread.executor_reference
+        elif isinstance(getattr(thread, "executor_reference", None), weakref.ref):
+            reference = thread.executor_reference  # a process pool's manager (loky's too)
         executor = reference() if reference is not None else None
         if executor is not None:
             executor.shutdown(wait=False)

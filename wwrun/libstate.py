@@ -23,6 +23,8 @@ seeing the original.
     wandb       the run in progress in module    the job's own run, `wandb.config`,
                 globals (`wandb.run`, `.config`,  `.log`, `.summary`...
                 `.log`, `.summary`...)
+    joblib      loky's reusable executor         the job's own executor, its workers
+                (`reusable_executor._executor`)  in the job's folder and environment
     hydra       its singletons of the run in     the job's own `GlobalHydra`,
                 progress (`Singleton._instances`) `HydraConfig`, `JobRuntime` and
                                                  `VersionBase`; its registries (config
@@ -581,6 +583,64 @@ def _patch_cloudpickle(module) -> None:
     pickler.reducer_override = reduce_wwrun_modules
 
 
+class _PerJobGlobals:
+    """Module globals that a library's own code reads and rebinds (`global _executor`),
+    which no per-job attribute can reach: the calling job's own values are put in place
+    for the length of each call that uses them, under the lock the library holds around
+    them anyway. Threads of no job see the originals."""
+
+    def __init__(self, module, names: tuple[str, ...], lock):
+        self._module, self._names, self._lock = module, names, lock
+        self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def around(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            job = isolation.current_job()
+            if job is None:
+                return function(*args, **kwargs)
+            namespace = vars(self._module)
+            with self._lock:
+                outside = {name: namespace[name] for name in self._names}
+                namespace.update(self._by_job.get(job) or dict.fromkeys(self._names))
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    self._by_job[job] = {name: namespace[name] for name in self._names}
+                    namespace.update(outside)
+
+        call.__wwrun_per_job__ = True
+        return call
+
+
+def _per_job_loky_executor(module) -> None:
+    """loky's reusable executor (joblib's `Parallel`, scikit-learn's `n_jobs`) is one
+    per process, in `reusable_executor._executor`: each job gets its own, as each
+    script alone has. Shared, a job's tasks ran in workers another job started, in
+    that job's folder and environment and printing into its log. A job's executor is
+    shut down as the job ends (`jobthread._shut_down_executors`)."""
+    pool = module._ReusablePoolExecutor
+    get = pool.__dict__["get_reusable_executor"].__func__
+    if getattr(get, "__wwrun_per_job__", False):
+        return
+    executors = _PerJobGlobals(module, ("_executor", "_executor_kwargs"), module._executor_lock)
+    pool.get_reusable_executor = classmethod(executors.around(get))
+
+
+def _per_job_joblib_executor_args(module) -> None:
+    """joblib's memmapping executor decides reuse on `executor._executor_args`, one per
+    process: per job, beside loky's executor (another job's arguments would make a
+    job's own executor start afresh at each call)."""
+    pool = module.MemmappingExecutor
+    get = pool.__dict__["get_memmapping_executor"].__func__
+    if getattr(get, "__wwrun_per_job__", False):
+        return
+    from joblib.externals.loky import reusable_executor
+
+    arguments = _PerJobGlobals(module, ("_executor_args",), reusable_executor._executor_lock)
+    pool.get_memmapping_executor = classmethod(arguments.around(get))
+
+
 def _share_inductor_address(codecache) -> None:
     import torch
 
@@ -600,6 +660,9 @@ _PATCHES = {
     "ray.cloudpickle.cloudpickle": _patch_cloudpickle,
     "joblib.externals.cloudpickle.cloudpickle": _patch_cloudpickle,
     "srsly.cloudpickle.cloudpickle": _patch_cloudpickle,
+    "joblib.externals.loky.reusable_executor": _per_job_loky_executor,
+    "loky.reusable_executor": _per_job_loky_executor,
+    "joblib.executor": _per_job_joblib_executor_args,
     "torch.jit": _patch_tracers,
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
