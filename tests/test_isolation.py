@@ -23,7 +23,7 @@ import pytest
 
 import wwrun
 from tests.forking import exit_code_of
-from wwrun import JobSpec, LaunchConfig
+from wwrun import JobSpec, LaunchConfig, isolation
 from wwrun.launcher import JobState, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -83,14 +83,22 @@ def test_a_folder_beside_the_script_named_like_an_installed_package_leaves_the_p
     assert [log(result, name) for name in ("a", "b")] == ["http mine\n"] * 2
 
 
-def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path, monkeypatch):
+@pytest.mark.parametrize("python", ["3.12", "3.13"])
+def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path, monkeypatch, python):
     """wandb's service is a process the job starts; its teardown, registered with atexit,
     finishes the runs a script left open. The run's end ended the service first, and
     the teardown at the launcher's exit met a closed connection: a run without
     `wandb.finish()` lost its data ("Exception ignored in atexit callback ...
     ConnectionResetError"). The run's end now runs such handlers first, once each: one
     that another unregistered as it ran is not run (opentelemetry's "shutdown can only
-    be called once", under wandb)."""
+    be called once", under wandb). Its `threading._register_atexit` hook runs too,
+    whether Python records it as a partial or, from 3.13, as a lambda (the job's import
+    of joblib failed on 3.13: "'function' object has no attribute 'func'")."""
+    if python == "3.13":
+        def register_as_python_3_13(func, *args, **kwargs):
+            threading._threading_atexits.append(lambda: func(*args, **kwargs))
+
+        monkeypatch.setitem(isolation._originals, "threading._register_atexit", register_as_python_3_13)
     monkeypatch.syspath_prepend(str(SCRIPTS / "imports" / "shared"))  # a library: the launcher's path
     monkeypatch.delitem(sys.modules, "exit_service", raising=False)
     written = tmp_path / "service.out"
@@ -99,6 +107,7 @@ def test_a_library_s_exit_handler_runs_before_the_run_ends_its_service(tmp_path,
     assert log(result, "a") == "started\n"
     assert written.read_text() == "finished"
     assert (tmp_path / "service.out.provider").read_text() == "shutdown\n"
+    assert (tmp_path / "service.out.hook").read_text() == "workers stopped"
 
 
 def test_reloading_a_module_of_the_job_s_runs_its_code_again(tmp_path):
@@ -352,7 +361,6 @@ def _interrupt_while_inside(enter_and_wait, gate) -> list[str]:
     until `gate.release` is set; what the thread saw, in order."""
     import threading
 
-    from wwrun import isolation
 
     outcome = []
 
@@ -437,7 +445,6 @@ def test_an_interrupt_not_raised_before_the_job_ended_is_dropped(tmp_path):
     import signal
     import threading
 
-    from wwrun import isolation
 
     ctx = isolation.JobContext(name="j", argv=["j"], environ={}, cwd=str(tmp_path), local_roots=[],
                                stdout=sys.stdout, stderr=sys.stderr, stdout_fd=1, stderr_fd=2)
@@ -1036,7 +1043,6 @@ def test_modules_made_after_install_keep_plain_attributes():
     import importlib.util
     import types
 
-    from wwrun import isolation
 
     isolation.install()
     for module in (type(sys)("made_by_type_of_sys"), importlib.util.module_from_spec(
@@ -1096,7 +1102,6 @@ def _as_job(name: str, cwd: Path, watch, body) -> None:
     import io
     import threading
 
-    from wwrun import isolation
 
     isolation.install()
     context = isolation.JobContext(

@@ -1153,16 +1153,14 @@ def _threading_register_atexit(func, *args, **kwargs):
     tracker: process died unexpectedly" and tracebacks after the summary.
     concurrent.futures' own is left to each job's end (`jobthread._shut_down_executors`):
     run, it would stop the process's executors for good."""
-    _originals["threading._register_atexit"](func, *args, **kwargs)
-    job = current_job()
-    if job is None or _called_from_job_code(job) or getattr(func, "__module__", "").startswith("concurrent.futures"):
-        return
-    for call in reversed(threading._threading_atexits):
-        if call.func is func and call.args == args:
-            with _library_exit_lock:
-                _library_thread_exit_hooks.append(call)
-                _stopped_at_exit_modules.add(getattr(func, "__module__", None))
+    with _library_exit_lock:  # every registration passes here: the entry it adds is the last
+        _originals["threading._register_atexit"](func, *args, **kwargs)
+        call = threading._threading_atexits[-1]  # a partial, or from Python 3.13 a lambda
+        job = current_job()
+        if job is None or _called_from_job_code(job) or getattr(func, "__module__", "").startswith("concurrent.futures"):
             return
+        _library_thread_exit_hooks.append((call, func))
+        _stopped_at_exit_modules.add(getattr(func, "__module__", None))
 
 
 def stopped_at_exit(thread: threading.Thread) -> bool:
@@ -1176,7 +1174,8 @@ def stopped_at_exit(thread: threading.Thread) -> bool:
 
 
 _library_thread_exit_hooks: list = []
-"""The `threading._register_atexit` calls (partials) libraries made from job threads."""
+"""(entry in `threading._threading_atexits`, function) of the `threading._register_atexit`
+calls libraries made from job threads."""
 _stopped_at_exit_modules: set = set()
 """The modules of those hooks (kept: a library registers its hook once a process)."""
 _library_exit_handlers: list = []
@@ -1203,7 +1202,7 @@ def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRA
         return
 
     def run_all():
-        for call in hooks:  # as at exit: before the threads are joined, and atexit's
+        for call, func in hooks:  # as at exit: before the threads are joined, and atexit's
             try:
                 threading._threading_atexits.remove(call)  # once
             except ValueError:
@@ -1211,7 +1210,7 @@ def run_library_exit_handlers(note: Callable[[str], None], wait_s: float = LIBRA
             try:
                 call()
             except BaseException:  # noqa: BLE001 - reported as Python reports it at exit
-                print(f"Exception ignored in threading exit hook: {call.func!r}", file=sys.__stderr__)
+                print(f"Exception ignored in threading exit hook: {func!r}", file=sys.__stderr__)
                 traceback.print_exc(file=sys.__stderr__)
         for handler in handlers:
             # Each still registered when its turn comes: a handler that unregisters

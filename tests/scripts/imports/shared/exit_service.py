@@ -2,11 +2,13 @@
 atexit when the service starts tells the service to finish, and the service then
 writes what it holds (wandb's: the runs a script left open). Its telemetry provider
 registers its own shutdown with atexit, which the teardown calls first and which
-then unregisters itself, as opentelemetry's MeterProvider does."""
+then unregisters itself, as opentelemetry's MeterProvider does. Its workers are stopped
+by a `threading._register_atexit` hook, as joblib's loky executor's are."""
 
 import atexit
 import subprocess
 import sys
+import threading
 
 SERVICE = "import sys; sys.stdin.read(); open(sys.argv[1], 'w').write('finished')"
 
@@ -32,3 +34,9 @@ def start(path: str) -> None:
         service.wait(timeout=60)
 
     atexit.register(teardown)
+
+    def stop_workers():
+        with open(f"{path}.hook", "w") as f:
+            f.write("workers stopped")
+
+    threading._register_atexit(stop_workers)
