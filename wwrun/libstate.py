@@ -586,59 +586,71 @@ def _patch_cloudpickle(module) -> None:
 class _PerJobGlobals:
     """Module globals that a library's own code reads and rebinds (`global _executor`),
     which no per-job attribute can reach: the calling job's own values are put in place
-    for the length of each call that uses them, under the lock the library holds around
-    them anyway. Threads of no job see the originals."""
+    for the length of each call that uses them (`around`), under one process-wide lock
+    (the globals are the process's). A call from inside such a call (the library
+    calling itself again) runs with them in place. Threads of no job see the
+    originals."""
 
-    def __init__(self, module, names: tuple[str, ...], lock):
-        self._module, self._names, self._lock = module, names, lock
+    _swap_lock = forksafe.RLock()
+
+    def __init__(self, module, first: dict[str, Callable[[], object]]):
+        self._module = module
+        self._first = first
+        """Each global's value for a job that has none yet."""
         self._by_job: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._inside = threading.local()
 
     def around(self, function: Callable) -> Callable:
         @functools.wraps(function)
         def call(*args, **kwargs):
             job = isolation.current_job()
-            if job is None:
+            if job is not None and getattr(self._inside, "job", None) is job:
                 return function(*args, **kwargs)
-            namespace = vars(self._module)
-            with self._lock:
-                outside = {name: namespace[name] for name in self._names}
-                namespace.update(self._by_job.get(job) or dict.fromkeys(self._names))
+            with self._swap_lock:
+                if job is None:
+                    return function(*args, **kwargs)
+                namespace = vars(self._module)
+                outside = {name: namespace[name] for name in self._first}
+                mine = self._by_job.get(job) or {name: make() for name, make in self._first.items()}
+                namespace.update(mine)
+                self._inside.job = job
                 try:
                     return function(*args, **kwargs)
                 finally:
-                    self._by_job[job] = {name: namespace[name] for name in self._names}
+                    self._inside.job = None
+                    self._by_job[job] = {name: namespace[name] for name in self._first}
                     namespace.update(outside)
 
         call.__wwrun_per_job__ = True
         return call
 
 
+def _per_job_classmethod(cls, name: str, per_job: _PerJobGlobals) -> None:
+    method = vars(cls).get(name) if cls is not None else None
+    function = getattr(method, "__func__", None)
+    if function is None or getattr(function, "__wwrun_per_job__", False):
+        return  # a version of the library without it: left as it is
+    setattr(cls, name, classmethod(per_job.around(function)))
+
+
 def _per_job_loky_executor(module) -> None:
     """loky's reusable executor (joblib's `Parallel`, scikit-learn's `n_jobs`) is one
     per process, in `reusable_executor._executor`: each job gets its own, as each
-    script alone has. Shared, a job's tasks ran in workers another job started, in
-    that job's folder and environment and printing into its log. A job's executor is
-    shut down as the job ends (`jobthread._shut_down_executors`)."""
-    pool = module._ReusablePoolExecutor
-    get = pool.__dict__["get_reusable_executor"].__func__
-    if getattr(get, "__wwrun_per_job__", False):
-        return
-    executors = _PerJobGlobals(module, ("_executor", "_executor_kwargs"), module._executor_lock)
-    pool.get_reusable_executor = classmethod(executors.around(get))
+    script alone has, and its own lock for it (every executor's submit takes that
+    lock). Shared, a job's tasks ran in workers another job started, in that job's
+    folder and environment and printing into its log. A job's executor is shut down
+    as the job ends (`jobthread._shut_down_executors`)."""
+    per_job = _PerJobGlobals(module, {"_executor": lambda: None, "_executor_kwargs": lambda: None,
+                                      "_executor_lock": forksafe.RLock})
+    _per_job_classmethod(getattr(module, "_ReusablePoolExecutor", None), "get_reusable_executor", per_job)
 
 
 def _per_job_joblib_executor_args(module) -> None:
     """joblib's memmapping executor decides reuse on `executor._executor_args`, one per
     process: per job, beside loky's executor (another job's arguments would make a
     job's own executor start afresh at each call)."""
-    pool = module.MemmappingExecutor
-    get = pool.__dict__["get_memmapping_executor"].__func__
-    if getattr(get, "__wwrun_per_job__", False):
-        return
-    from joblib.externals.loky import reusable_executor
-
-    arguments = _PerJobGlobals(module, ("_executor_args",), reusable_executor._executor_lock)
-    pool.get_memmapping_executor = classmethod(arguments.around(get))
+    per_job = _PerJobGlobals(module, {"_executor_args": lambda: None})
+    _per_job_classmethod(getattr(module, "MemmappingExecutor", None), "get_memmapping_executor", per_job)
 
 
 def _share_inductor_address(codecache) -> None:
@@ -693,16 +705,26 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            patch(module)
+            _apply(patch, module)
 
         loader.exec_module = exec_then_patch
         return spec
+
+
+def _apply(patch: Callable, module) -> None:
+    """A patch that does not fit the library's version (a name it lacks) leaves the
+    library as it is, saying so: the job's import of it goes on."""
+    try:
+        patch(module)
+    except Exception as exc:  # noqa: BLE001
+        print(f"wwrun: warning: {module.__name__} left as it is, shared by every job "
+              f"({type(exc).__name__}: {exc})", file=isolation.original_stderr(), flush=True)
 
 
 def install() -> None:
     """Patch the libraries already imported; patch the others on their first import."""
     for name, patch in _PATCHES.items():
         if name in sys.modules:
-            patch(sys.modules[name])
+            _apply(patch, sys.modules[name])
     if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
