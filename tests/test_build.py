@@ -248,6 +248,8 @@ def test_a_cuda_build_on_a_machine_with_no_gpu_names_torch_s_architectures(monke
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
     assert build._cuda_arch_list() is None  # the user's word stands
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "native")  # the visible GPUs: none
+    assert build._cuda_arch_list() == "7.5;9.0a;12.0+PTX"
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])  # a CPU build of torch
     assert build._cuda_arch_list() is None

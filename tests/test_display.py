@@ -290,3 +290,17 @@ def test_ctrl_c_reaches_a_job_waiting_at_a_prompt(tmp_path):
         lines = terminal.close()
     assert "[asks] interrupted at the prompt\n" in lines
     assert "did not stop within the grace period" not in lines
+
+
+def test_a_job_reading_the_terminal_to_its_end_gets_the_screen_too(tmp_path):
+    """`sys.stdin.read()` reads through FileIO's own `readall`, which skipped the hook
+    that shows the job's prompt: the table stayed, hiding what the user typed."""
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "reads_all.py")], tmp_path)
+    try:
+        terminal.read_until(b"reads the terminal", 300)
+        os.write(terminal.main, b"a\nb\n\x04")  # Ctrl-D: end of file
+        terminal.read_until(b"job(s) in", 120)
+        assert terminal.process.wait(timeout=60) == 0
+    finally:
+        lines = terminal.close()
+    assert "[reads_all] type lines, then Ctrl-D\n" in lines and "[reads_all] got 'a\\nb\\n'\n" in lines

@@ -193,12 +193,82 @@ def test_a_prompt_is_shown_as_its_job_reads_and_its_line_goes_on_after_what_the_
 def test_settle_returns_once_the_pump_has_read_what_the_job_wrote(tmp_path):
     """A job's last lines before the line saying it ended ('[wwrun] j: succeeded')."""
     lines = []
-    pump = Pump(lambda job, stream, line: lines.append(line))
+
+    def slow_display(job, stream, line):  # a terminal taking its time: the pump lags behind
+        time.sleep(0.001)
+        lines.append(line)
+
+    pump = Pump(slow_display)
     output = JobOutput("j", tmp_path / "j")
     pump.add(output)
-    for i in range(3):
+    for i in range(300):
         print(f"last {i}", file=output.stdout)
-    pump.settle(output, timeout=30)
-    assert lines == ["last 0", "last 1", "last 2"]
+    assert pump.settle(output, timeout=30)
+    assert lines == [f"last {i}" for i in range(300)]
     output.close_writers()
     pump.close(timeout=30)
+
+
+def test_a_job_that_goes_on_writing_keeps_the_pump_from_no_other_job(tmp_path):
+    """Reading a job's pipes for its prompt (or its end) reads what they held then, not
+    until they are empty: a thread of the job writing on kept the pump reading it for
+    good, and the other jobs' output stopped (their pipes then filled and they blocked)."""
+    other_line = threading.Event()
+
+    def display(job, stream, line):
+        time.sleep(0.0002)
+        if job == "b":
+            other_line.set()
+
+    pump = Pump(display)
+    chatty, other = JobOutput("a", tmp_path / "a"), JobOutput("b", tmp_path / "b")
+    pump.add(chatty)
+    pump.add(other)
+    stop = threading.Event()
+
+    def chatter():
+        while not stop.is_set():
+            print("x" * 100, file=chatty.stdout)
+
+    writer = threading.Thread(target=chatter, daemon=True)
+    writer.start()
+    try:
+        assert pump.settle(chatty, timeout=30)
+        print("b's line", file=other.stdout)
+        assert other_line.wait(30)
+    finally:
+        stop.set()
+        writer.join(30)
+        chatty.close_writers()
+        other.close_writers()
+        pump.close(timeout=30)
+
+
+def test_a_job_asking_on_a_line_of_its_own_still_gets_the_screen(tmp_path):
+    """`print("Name:"); input()`: nothing is left unended, and the display must still
+    hear that the job waits for the user. A progress bar being redrawn beside a prompt
+    is shown as it stands, and its next redraw adds no empty line."""
+    lines, prompts, shown = [], [], threading.Event()
+    pump = Pump(lambda job, stream, line: lines.append((stream, line)),
+                lambda job, stream, text: (prompts.append((stream, text)), shown.set()))
+    output = JobOutput("j", tmp_path / "j")
+    pump.add(output)
+
+    def ask():
+        shown.clear()
+        pump.prompt(output)
+        assert shown.wait(30)
+
+    print("Name:", file=output.stdout)
+    ask()
+    assert prompts == [("stdout", "")] and lines == [("stdout", "Name:")]
+    output.stderr.write(" 50%|#####     | 5/10")
+    output.stderr.flush()
+    output.stdout.write("(Pdb) ")
+    output.stdout.flush()
+    ask()
+    assert prompts[1:] == [("stderr", " 50%|#####     | 5/10"), ("stdout", "(Pdb) ")]  # the prompt last
+    output.stderr.write("\r 60%|######    | 6/10\n")
+    output.close_writers()
+    pump.close(timeout=30)
+    assert lines[1:] == [("stderr", " 60%|######    | 6/10")]

@@ -217,10 +217,11 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
             verbose=verbose,
         )
 
-    arch_list = _cuda_arch_list() if with_cuda else None
-    if arch_list:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+    arch_list, given = None, os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
+        arch_list = _cuda_arch_list() if with_cuda else None
+        if arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         try:
             module = compile_and_link(list(_LDFLAGS))
         except Exception as exc:  # noqa: BLE001
@@ -235,8 +236,10 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
             "(needs a C++ compiler and ninja; WWRUN_BUILD_VERBOSE=1 shows the build)"
         ) from exc
     finally:
-        if arch_list:
+        if arch_list and given is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        elif arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = given
     library = Path(module.__file__)
     (folder / _MARKER).write_text(library.name + "\n")
     print(f"wwrun: built {what} in {time.monotonic() - started:.0f} s ({folder})",
@@ -246,12 +249,14 @@ def _build(name, sources, folder: Path, what: str, extra_cflags, extra_include_p
 
 def _cuda_arch_list() -> str | None:
     """TORCH_CUDA_ARCH_LIST for a CUDA build on a machine that shows no GPU (`wwrun
-    build` on an image builder): torch derives the list from the visible GPUs, and with
-    none its build failed ("list index out of range"). The parts hold no device code,
-    so the architectures torch was built for do; None where torch's own choice stands."""
+    build` on an image builder): torch derives the list from the visible GPUs (also
+    for "native"), and with none its build failed ("list index out of range"). The
+    parts hold no device code, so the architectures torch was built for do; None where
+    torch's own choice stands."""
     import torch
 
-    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if (given and given != "native") or torch.cuda.device_count() > 0:
         return None
     archs = [re.fullmatch(r"sm_(\d+)(\d)([a-z]?)", arch) for arch in torch.cuda.get_arch_list()]
     archs = [f"{m[1]}.{m[2]}{m[3]}" for m in archs if m]

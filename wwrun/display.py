@@ -142,6 +142,8 @@ class PlainDisplay(QuietDisplay):
             lines.write(f"[{job}] {text}")
 
     def prompt(self, job: str, stream: str, text: str) -> None:
+        if not text:  # it asked on a line of its own (`print("Name:"); input()`)
+            return
         lines = self.out if stream == "stdout" else self.err
         with self._lock:
             self._end_prompt_row((job, stream))
@@ -188,6 +190,7 @@ class LiveDisplay(QuietDisplay):
         self._live = None
         self._plain: PlainDisplay | None = None
         """Once a job read the terminal: every line as it comes, no table."""
+        self._stopped = False
 
     def start(self, runner) -> None:
         from rich.live import Live
@@ -211,6 +214,8 @@ class LiveDisplay(QuietDisplay):
     def prompt(self, job: str, stream: str, text: str) -> None:
         # A table redrawn under a prompt would hide it, what the job printed before it
         # (pdb's listing) and what the user types: the screen becomes plain lines.
+        if self._stopped:  # an abandoned job, still reading after the summary
+            return
         if self._plain is None:
             if self._live is not None:
                 self._live.stop()
@@ -236,6 +241,7 @@ class LiveDisplay(QuietDisplay):
         self.console.print(text, markup=False)
 
     def stop(self, result) -> None:
+        self._stopped = True
         if self._plain is not None:
             self._plain.end_prompt_row()
         elif self._live is not None:

@@ -337,23 +337,36 @@ def find_spec(job: JobContext, name: str):
     return spec if spec is not None else importlib.util.find_spec(name)
 
 
-class _TerminalReader(io.FileIO):
+class _TerminalReader(io.RawIOBase):
     """fd 0 when it is a terminal: `before_read()` runs before each read, so that what
     the job wrote before it waits for the user (a prompt: `input("name? ")`, pdb's
-    `(Pdb) `) is on the screen when it does."""
+    `(Pdb) `) is on the screen when it does. Every read (`read()`, `readline()`, `for
+    line in sys.stdin`) comes through `readinto`: RawIOBase makes `read` and `readall`
+    of it, where FileIO's own skip it."""
+
+    name = "<stdin>"
 
     def __init__(self, before_read: Callable[[], None]):
-        super().__init__(0, "r", closefd=False)
+        super().__init__()
         self._before_read = before_read
 
-    def readinto(self, buffer):
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 0
+
+    def isatty(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
         self._before_read()
         # Polled, not one blocking read: a Ctrl-C reaches a job as an exception raised in
         # its thread, which a read blocked in C would hold back until the user's Enter;
         # under `python` it ends the wait at once.
-        while not select.select([self], [], [], 0.25)[0]:
+        while not select.select([0], [], [], 0.25)[0]:
             pass
-        return super().readinto(buffer)
+        return os.readv(0, [buffer])
 
 
 def job_stdin(reads_launcher_stdin: bool, before_terminal_read: Callable[[], None] | None = None) -> io.TextIOBase:
@@ -371,6 +384,7 @@ def job_stdin(reads_launcher_stdin: bool, before_terminal_read: Callable[[], Non
                 raw = _TerminalReader(before_terminal_read)
             else:
                 raw = io.FileIO(0, "r", closefd=False)
+                raw.name = "<stdin>"  # as Python names its own
         except OSError:  # no fd 0 (started with stdin closed)
             pass
         else:

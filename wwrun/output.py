@@ -22,11 +22,13 @@ On-disk layout (like torchrun's)::
 from __future__ import annotations
 
 import collections
+import fcntl
 import io
 import os
 import re
-import select
 import selectors
+import struct
+import termios
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -139,34 +141,40 @@ class JobOutput:
         if current.strip():
             self.last_line = current
 
-    def _line(self, stream: str, raw: bytes, on_line: LineSink, unended: bool = False) -> None:
+    def _line(self, stream: str, raw: bytes, on_line: LineSink) -> None:
         line = printable(raw.decode("utf-8", "backslashreplace"))
         if line.strip():
             self.last_line = line
             self.tail.append(line)
         # A line begun by a prompt the display showed goes on past what the user typed
-        # (their Enter ended the screen's row): only its rest is still to show. A prompt
-        # shown whole that the job's end left unended has none.
+        # (their Enter ended the screen's row): only its rest, if any, is still to show
+        # (none for a prompt the job's end left unended, or a progress bar shown beside
+        # a prompt that then redrew).
         shown, self._shown[stream] = self._shown[stream], 0
         if not shown:
             on_line(self.name, stream, line)
-        elif len(raw) > shown or not unended:
+        elif len(raw) > shown:
             on_line(self.name, stream, printable(raw[shown:].decode("utf-8", "backslashreplace")))
 
     def _prompt(self, on_prompt: LineSink) -> None:
-        """Hand the display what each stream holds of a line not yet ended: the job is
-        about to wait for the user, after a prompt (`input("name? ")`)."""
-        for stream, partial in self._partial.items():
+        """The job is about to wait for the user: hand the display what each stream
+        holds of a line not yet ended (a prompt: `input("name? ")`), stdout's last, as
+        prompts go there; an empty one when neither holds any (`print("Name:");
+        input()`), so that the display still gives the user the screen."""
+        told = False
+        for stream in ("stderr", "stdout"):
+            partial = self._partial[stream]
             rest = partial[self._shown[stream]:]
-            if rest:
+            if rest or (stream == "stdout" and not told):
                 self._shown[stream] = len(partial)
                 on_prompt(self.name, stream, printable(rest.decode("utf-8", "backslashreplace")))
+                told = True
 
     def _finish(self, stream: str, on_line: LineSink) -> None:
         rest = self._partial[stream]
         if rest:
             self._partial[stream] = b""
-            self._line(stream, rest, on_line, unended=True)
+            self._line(stream, rest, on_line)
         self._logs[stream].close()
 
 
@@ -203,14 +211,13 @@ class Pump:
         if self._display_prompt is not None:
             self._request(output, None)
 
-    def settle(self, output: JobOutput, timeout: float = 1.0) -> None:
+    def settle(self, output: JobOutput, timeout: float = 1.0) -> bool:
         """Wait until the pump has read what `output`'s job wrote so far (at most
         `timeout` s: a display stalled by a paused terminal), so that its last lines
-        are shown before the line saying it ended."""
+        are shown before the line saying it ended. False if it did not in time."""
         done = threading.Event()
         self._request(output, done)
-        if self._thread.is_alive():
-            done.wait(timeout)
+        return self._thread.is_alive() and done.wait(timeout)
 
     def _request(self, output: JobOutput, done: threading.Event | None) -> None:
         with self._lock:
@@ -253,18 +260,24 @@ class Pump:
                 output._finish(stream, self._on_line)
 
     def _read_now(self, output: JobOutput) -> None:
-        """Read `output`'s pipes until they hold nothing more for now."""
+        """Read what `output`'s pipes hold now (what the job wrote before it asked), and
+        no more: a job that goes on writing must not keep the pump from the others."""
         with self._lock:
             keys = [key for key in self._selector.get_map().values()
                     if key.data is not None and key.data[0] is output]
         for key in keys:
-            while select.select([key.fd], [], [], 0)[0]:
+            try:
+                pending = struct.unpack("i", fcntl.ioctl(key.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:
+                continue
+            while pending > 0:
                 try:
-                    data = os.read(key.fd, _CHUNK)
+                    data = os.read(key.fd, min(pending, _CHUNK))
                 except OSError:
-                    data = b""
+                    break
                 if not data:  # end of file: the loop's next select sees it too
                     break
+                pending -= len(data)
                 output._feed(key.data[1], data, self._on_line)
 
     def _finish_open(self) -> None:
