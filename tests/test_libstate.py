@@ -243,7 +243,8 @@ def test_joblib_runs_each_job_s_work_in_its_own_workers_folder_and_environment(t
     script = tmp_path / "where.py"
     script.write_text(
         "import os, sys\nfrom joblib import Parallel, delayed\n"
-        "def where(i):\n    print('task', i, 'in', os.environ['TAG'], flush=True)\n"
+        # One write a line: two workers' prints can interleave, as in any process.
+        "def where(i):\n    os.write(1, f\"task {i} in {os.environ['TAG']}\\n\".encode())\n"
         "    return os.path.basename(os.getcwd()), os.environ['TAG']\n"
         "print(sorted(set(Parallel(n_jobs=2)(delayed(where)(i) for i in range(4)))))\n"
         # Other arguments: loky replaces the job's executor, calling itself again.
