@@ -7,6 +7,7 @@ concurrently in each test through the library API.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from wwrun import JobSpec, LaunchConfig, isolation
 from wwrun.launcher import JobState, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(tmp_path, *jobs, **options):
@@ -1035,6 +1037,78 @@ def test_a_job_s_fork_waits_for_another_job_s_import_to_end(tmp_path, fresh_half
     assert result.exit_code == 0, [log(result, name, "stderr") for name in ("importer", "forker")]
     assert log(result, "importer") == "imported 42\n"
     assert log(result, "forker") == "child exit 0\n"
+
+
+_FORKS_WATCHED = {"on": False, "inside": 0, "most": 0}
+
+
+def _fork_begins():
+    if _FORKS_WATCHED["on"]:
+        _FORKS_WATCHED["inside"] += 1
+        _FORKS_WATCHED["most"] = max(_FORKS_WATCHED["most"], _FORKS_WATCHED["inside"])
+        time.sleep(0.3)  # a slow fork hook: another thread's fork would begin meanwhile
+
+
+def _fork_ends():
+    if _FORKS_WATCHED["on"]:
+        _FORKS_WATCHED["inside"] -= 1
+
+
+os.register_at_fork(before=_fork_begins, after_in_parent=_fork_ends)
+
+
+def test_threads_fork_one_at_a_time():
+    """Two jobs' forks at once overlapped between their fork hooks, which filelock
+    refuses (next test); a script alone never forks from two threads at once."""
+    isolation.install()
+    start = threading.Barrier(2)
+    codes = []
+
+    def fork():
+        start.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+    _FORKS_WATCHED.update(on=True, inside=0, most=0)
+    try:
+        threads = [threading.Thread(target=fork) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        _FORKS_WATCHED["on"] = False
+    assert codes == [0, 0] and _FORKS_WATCHED["most"] == 1
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="filelock audits forks from Python 3.12")
+def test_two_jobs_fork_at_once_beside_filelock(tmp_path):
+    """filelock (4.3; torch.compile, triton and the Hugging Face libraries import it)
+    refuses a fork while another thread is between its fork hooks: "os.fork is unsafe
+    while filelock is changing descriptor ownership". Two jobs' DataLoaders starting
+    their workers at once failed so; a script alone never forks from two threads. Here
+    one job's fork waits for a third job's import, and a second job forks meanwhile."""
+    if importlib.util.find_spec("filelock") is None:
+        pytest.skip("filelock is not installed")
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    shared = SCRIPTS / "imports" / "shared"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "jobs:\n"
+        f"  - {{name: importer, script: {SCRIPTS / 'imports' / 'half_made_importer.py'}, args: [{rendezvous}, second, filelock]}}\n"
+        f"  - {{name: first, script: {SCRIPTS / 'imports' / 'fork_beside.py'}, args: [{rendezvous}, importing, forking]}}\n"
+        f"  - {{name: second, script: {SCRIPTS / 'imports' / 'fork_beside.py'}, args: [{rendezvous}, forking, second, 0.5]}}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "wwrun", "--quiet", "--policy", "concurrent", "--timeout", "120s",
+         "--log-dir", str(tmp_path / "logs"), str(recipe)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(shared), str(ROOT)])})
+    assert done.returncode == 0, done.stderr
+    for name in ("first", "second"):
+        assert (tmp_path / "logs" / "latest" / name / "stdout.log").read_text() == "child exit 0\n"
 
 
 def test_modules_made_after_install_keep_plain_attributes():

@@ -1756,6 +1756,27 @@ def _os_system(command):
     return code << 8 if code >= 0 else -code
 
 
+_FORK_WAIT_S = 60.0
+_fork_lock = forksafe.RLock()
+
+
+def _os_fork():
+    """`os.fork`, one thread at a time. A script alone never forks from two threads at
+    once; jobs do (two DataLoaders starting their workers), and filelock (4.3, which
+    torch.compile, triton and the Hugging Face libraries import) refuses, from Python
+    3.12, a fork begun while another thread is between its fork hooks: "os.fork is
+    unsafe while filelock is changing descriptor ownership". Bounded: a fork held up
+    past `_FORK_WAIT_S` (another's fork waiting on a stuck hook) goes ahead, saying so."""
+    if not _fork_lock.acquire(timeout=_FORK_WAIT_S):
+        print(f"wwrun: a fork waited {_FORK_WAIT_S:g} s for another thread's fork to end; forking beside it",
+              file=original_stderr(), flush=True)
+        return _originals["os.fork"]()
+    try:
+        return _originals["os.fork"]()
+    finally:  # in the child too: the forking thread holds it there (forksafe keeps it so)
+        _fork_lock.release()
+
+
 def _standard_stream(job: JobContext, fd: int) -> str | None:
     """'stdin', 'stdout' or 'stderr' if `fd` is one of the job's standard streams."""
     if 0 <= fd <= 2:
@@ -2389,6 +2410,7 @@ def _patch_functions() -> None:
         "os.system": os.system,
         "os.execv": os.execv,
         "os.execve": os.execve,
+        "os.fork": os.fork,
         "signal.raise_signal": signal.raise_signal,
         "open": io.open,
         "os.open": os.open,
@@ -2415,6 +2437,7 @@ def _patch_functions() -> None:
     os.system = _Builtin(_os_system)
     os.execv = _Builtin(_os_execv)
     os.execve = _Builtin(_os_execve)
+    os.fork = _Builtin(_os_fork)
     signal.raise_signal = _raise_signal
     global _cache_folders
     _cache_folders = _find_cache_folders()
