@@ -1180,8 +1180,10 @@ def _threading_register_atexit(func, *args, **kwargs):
 def stopped_at_exit(thread: threading.Thread) -> bool:
     """`thread` is a library's that its `threading._register_atexit` hook stops at the
     process's exit (its class or target is of the hook's module): joblib's loky
-    executor manager, of an executor every job shares. A job's end does not wait for
-    it (it waited for good, where `python` ends at once); the hook runs at the run's end."""
+    executor manager. A job's end does not wait for it (it waited for good, where
+    `python` ends at once): it shuts the job's executor down (`jobthread.
+    _shut_down_executors`) and the manager winds down on its own; the hook runs at the
+    run's end."""
     target = getattr(thread, "_target", None)
     return (type(thread).__module__ in _stopped_at_exit_modules
             or getattr(target, "__module__", None) in _stopped_at_exit_modules)
@@ -1767,14 +1769,15 @@ def _os_fork():
     3.12, a fork begun while another thread is between its fork hooks: "os.fork is
     unsafe while filelock is changing descriptor ownership". Bounded: a fork held up
     past `_FORK_WAIT_S` (another's fork waiting on a stuck hook) goes ahead, saying so."""
-    if not _fork_lock.acquire(timeout=_FORK_WAIT_S):
+    held = _fork_lock.acquire(timeout=_FORK_WAIT_S)
+    if not held:
         print(f"wwrun: a fork waited {_FORK_WAIT_S:g} s for another thread's fork to end; forking beside it",
               file=original_stderr(), flush=True)
-        return _originals["os.fork"]()
     try:
         return _originals["os.fork"]()
     finally:  # in the child too: the forking thread holds it there (forksafe keeps it so)
-        _fork_lock.release()
+        if held:
+            _fork_lock.release()
 
 
 def _standard_stream(job: JobContext, fd: int) -> str | None:

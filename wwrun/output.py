@@ -161,14 +161,10 @@ class JobOutput:
         holds of a line not yet ended (a prompt: `input("name? ")`), stdout's last, as
         prompts go there; an empty one when neither holds any (`print("Name:");
         input()`), so that the display still gives the user the screen."""
-        told = False
-        for stream in ("stderr", "stdout"):
-            partial = self._partial[stream]
-            rest = partial[self._shown[stream]:]
-            if rest or (stream == "stdout" and not told):
-                self._shown[stream] = len(partial)
-                on_prompt(self.name, stream, printable(rest.decode("utf-8", "backslashreplace")))
-                told = True
+        rests = {stream: self._partial[stream][self._shown[stream]:] for stream in ("stderr", "stdout")}
+        for stream in [stream for stream, rest in rests.items() if rest] or ["stdout"]:
+            self._shown[stream] = len(self._partial[stream])
+            on_prompt(self.name, stream, printable(rests[stream].decode("utf-8", "backslashreplace")))
 
     def _finish(self, stream: str, on_line: LineSink) -> None:
         rest = self._partial[stream]
@@ -294,21 +290,19 @@ class Pump:
             output._finish(stream, self._on_line)
 
     def _on_line(self, job: str, stream: str, line: str) -> None:
-        """Hand a line to the display. If the display fails (its reader went away:
-        `wwrun ... | head`), stop showing lines but keep draining: a pump that died
-        would leave the jobs blocked on full pipes. The logs keep everything."""
-        if self._display is None:
-            return
-        try:
-            self._display(job, stream, line)
-        except (OSError, ValueError):
-            self._display = self._display_prompt = None
+        self._show(self._display, job, stream, line)
 
     def _on_prompt(self, job: str, stream: str, text: str) -> None:
-        if self._display_prompt is None:
+        self._show(self._display_prompt, job, stream, text)
+
+    def _show(self, sink: LineSink | None, job: str, stream: str, text: str) -> None:
+        """Hand a line (or a prompt) to the display. If the display fails (its reader
+        went away: `wwrun ... | head`), stop showing anything but keep draining: a pump
+        that died would leave the jobs blocked on full pipes. The logs keep everything."""
+        if sink is None:
             return
         try:
-            self._display_prompt(job, stream, text)
+            sink(job, stream, text)
         except (OSError, ValueError):
             self._display = self._display_prompt = None
 
