@@ -1171,7 +1171,8 @@ def _threading_register_atexit(func, *args, **kwargs):
         _originals["threading._register_atexit"](func, *args, **kwargs)
         call = threading._threading_atexits[-1]  # a partial, or from Python 3.13 a lambda
         job = current_job()
-        if job is None or _called_from_job_code(job) or getattr(func, "__module__", "").startswith("concurrent.futures"):
+        if (job is None or _called_from_job_code(job)
+                or getattr(func, "__module__", "").startswith("concurrent.futures")):
             return
         _library_thread_exit_hooks.append((call, func))
         _stopped_at_exit_modules.add(getattr(func, "__module__", None))
