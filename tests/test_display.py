@@ -228,6 +228,22 @@ def test_the_live_table_gives_way_to_plain_lines_once_a_job_reads_the_terminal()
     assert err.getvalue().endswith("[wwrun] a note\n")
 
 
+def test_quiet_shows_a_job_s_prompt_and_its_lines_from_then_on():
+    """--quiet printed nothing but the summary: a job waiting at `input()` looked hung."""
+    out, err = io.StringIO(), io.StringIO()
+    display = QuietDisplay(err, out)
+    listing = SimpleNamespace(tail=["Name:"], last_line="Name:")
+    display.start(SimpleNamespace(jobs=[SimpleNamespace(result=_job("ask", JobState.RUNNING), output=listing)]))
+    display.line("ask", "stdout", "Name:")
+    display.note("a detail", important=False)
+    assert out.getvalue() == err.getvalue() == ""
+    display.prompt("ask", "stdout", "")  # `print("Name:"); input()`
+    display.line("ask", "stdout", "hello Bob")
+    display.note("ask: succeeded", important=False)
+    assert out.getvalue() == "[ask] Name:\n[ask] hello Bob\n"
+    assert "ask reads the terminal" in err.getvalue() and err.getvalue().endswith("[wwrun] ask: succeeded\n")
+
+
 class _Terminal:
     """`python -m wwrun args` with its stdin, stdout and stderr on a pseudo-terminal
     (120x40, so wwrun draws its live table), as a user at a terminal runs it."""

@@ -8,7 +8,8 @@
   start-up about 50 ms: benchmarks/launcher_overhead.py).
 - `--quiet`: the summary only.
 - A job that reads the terminal (`input()`, pdb) needs the screen: its prompt is
-  shown as it waits, and from then on the live table gives way to plain lines.
+  shown as it waits, and from then on the live table (or --quiet's silence) gives
+  way to plain lines.
 
 The summary keeps one line per job, whatever the width; the full error of each job
 that has one follows it (`name: error`).
@@ -45,7 +46,7 @@ def make_display(config: LaunchConfig):
     if config.events == "-":
         out = err
     if config.quiet:
-        return QuietDisplay(err)
+        return QuietDisplay(err, out)
     if _is_terminal(err):
         return LiveDisplay(out, err, tee=config.tee)
     return PlainDisplay(out, err)
@@ -85,33 +86,64 @@ class _Lines:
 
 
 class QuietDisplay:
-    """The summary only: plain text, or a rich table on a terminal."""
+    """The summary only: plain text, or a rich table on a terminal. Once a job reads
+    the terminal, plain lines: the user answers a question they can see."""
 
-    def __init__(self, err):
+    shows_lines = False
+    """Whether the user has seen the jobs' lines so far (else a prompt replays the tail)."""
+
+    def __init__(self, err, out=None):
+        self.out = err if out is None else out
         self.err = _Lines(err)
         self.runner = None
+        self._plain: PlainDisplay | None = None
+        """Once a job read the terminal: every line as it comes."""
+        self._stopped = False
 
     def start(self, runner) -> None:
         self.runner = runner
 
     def line(self, job: str, stream: str, text: str) -> None:
-        pass
+        if self._plain is not None:
+            self._plain.line(job, stream, text)
 
     def prompt(self, job: str, stream: str, text: str) -> None:
         """The job is about to read the terminal, after writing `text` (no newline)."""
+        # Silence or a table redrawn under a prompt would hide it, what the job printed
+        # before it (pdb's listing) and what the user types: the screen becomes plain lines.
+        if self._stopped:  # an abandoned job, still reading after the summary
+            return
+        if self._plain is None:
+            self._give_way()
+            self._plain = PlainDisplay(self.out, self.err.stream)
+            self._plain.note(f"{job} reads the terminal: job lines are printed as they come from now on")
+            if not self.shows_lines:  # what it printed before its prompt (pdb's listing)
+                output = next((j.output for j in self.runner.jobs if j.result.name == job), None)
+                for line in output.tail if output else ():
+                    self._plain.line(job, "stdout", line)
+        self._plain.prompt(job, stream, text)
+
+    def _give_way(self) -> None:
+        """Clear the screen for plain lines."""
 
     def state(self, result) -> None:
-        pass
+        if self._plain is not None:
+            self._plain.state(result)
 
     def note(self, text: str, important: bool = True) -> None:
         """A line from the launcher; only `important` ones with --quiet."""
-        if important:
+        if self._plain is not None:
+            self._plain.note(text, important)
+        elif important:
             self.err.write(f"[wwrun] {text}")
 
     def explain(self, text: str) -> None:
         self.err.write(text)
 
     def stop(self, result) -> None:
+        self._stopped = True
+        if self._plain is not None:
+            self._plain.end_prompt_row()
         if _is_terminal(self.err.stream):
             _print_rich_summary(_console(self.err.stream), result)
             return
@@ -121,6 +153,8 @@ class QuietDisplay:
 
 class PlainDisplay(QuietDisplay):
     """Prefixed lines as they come; a line per job state change."""
+
+    shows_lines = True
 
     def __init__(self, out, err):
         super().__init__(err)
@@ -183,14 +217,11 @@ class LiveDisplay(QuietDisplay):
     """A live table redrawn in place; lines above it with --tee."""
 
     def __init__(self, out, err, tee: bool):
-        super().__init__(err)
-        self.out = out
+        super().__init__(err, out)
         self.console = _console(err)
         self.tee = tee
+        self.shows_lines = tee
         self._live = None
-        self._plain: PlainDisplay | None = None
-        """Once a job read the terminal: every line as it comes, no table."""
-        self._stopped = False
 
     def start(self, runner) -> None:
         from rich.live import Live
@@ -211,25 +242,9 @@ class LiveDisplay(QuietDisplay):
         elif self.tee and self._live is not None:
             self._live.console.print(Text.assemble((f"[{job}] ", "bold"), text))
 
-    def prompt(self, job: str, stream: str, text: str) -> None:
-        # A table redrawn under a prompt would hide it, what the job printed before it
-        # (pdb's listing) and what the user types: the screen becomes plain lines.
-        if self._stopped:  # an abandoned job, still reading after the summary
-            return
-        if self._plain is None:
-            if self._live is not None:
-                self._live.stop()
-            self._plain = PlainDisplay(self.out, self.err.stream)
-            self._plain.note(f"{job} reads the terminal: job lines are printed as they come from now on")
-            if not self.tee:  # what it printed before its prompt (pdb's listing)
-                output = next((j.output for j in self.runner.jobs if j.result.name == job), None)
-                for line in output.tail if output else ():
-                    self._plain.line(job, "stdout", line)
-        self._plain.prompt(job, stream, text)
-
-    def state(self, result) -> None:
-        if self._plain is not None:
-            self._plain.state(result)
+    def _give_way(self) -> None:
+        if self._live is not None:
+            self._live.stop()
 
     def note(self, text: str, important: bool = True) -> None:
         if self._plain is not None:
