@@ -244,15 +244,22 @@ def test_quiet_shows_a_job_s_prompt_and_its_lines_from_then_on():
     assert "ask reads the terminal" in err.getvalue() and err.getvalue().endswith("[wwrun] ask: succeeded\n")
 
 
+def _take_terminal() -> None:
+    """In the child: its stdin's terminal becomes its controlling one (/dev/tty)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 class _Terminal:
     """`python -m wwrun args` with its stdin, stdout and stderr on a pseudo-terminal
-    (120x40, so wwrun draws its live table), as a user at a terminal runs it."""
+    (120x40, so wwrun draws its live table) that is its controlling terminal, as a user
+    at a terminal runs it."""
 
     def __init__(self, args: list[str], cwd: Path):
         self.main, side = pty.openpty()
         fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         self.process = subprocess.Popen([sys.executable, "-m", "wwrun", *args], stdin=side, stdout=side,
-                                        stderr=side, cwd=cwd, env={**os.environ, "TERM": "xterm-256color"})
+                                        stderr=side, cwd=cwd, env={**os.environ, "TERM": "xterm-256color"},
+                                        start_new_session=True, preexec_fn=_take_terminal)
         os.close(side)
         self.screen = bytearray()
 
@@ -320,3 +327,32 @@ def test_a_job_reading_the_terminal_to_its_end_gets_the_screen_too(tmp_path):
     finally:
         lines = terminal.close()
     assert "[reads_all] type lines, then Ctrl-D\n" in lines and "[reads_all] got 'a\\nb\\n'\n" in lines
+
+
+def test_a_job_asks_for_a_secret_at_the_terminal_as_alone(tmp_path):
+    """`getpass.getpass` reads /dev/tty itself, past the job's stdin: the live table drew
+    over its prompt, and a Ctrl-C waited for the user's Enter (the read blocked in C)."""
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks_secret.py")], tmp_path)
+    try:
+        terminal.read_until(b"token: ", 300)
+        os.write(terminal.main, b"s3cret\n")
+        terminal.read_until(b"job(s) in", 120)
+        assert terminal.process.wait(timeout=60) == 0
+    finally:
+        lines = terminal.close()
+    assert "[asks_secret] before the secret\n" in lines  # the live table gave way
+    assert "[asks_secret] got 's3cret'\n" in lines
+    assert lines.count("s3cret") == 1  # not echoed as typed
+
+
+def test_ctrl_c_reaches_a_job_waiting_for_a_secret(tmp_path):
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks_secret.py")], tmp_path)
+    try:
+        terminal.read_until(b"token: ", 300)
+        terminal.process.send_signal(signal.SIGINT)
+        terminal.read_until(b"job(s) in", 120)
+        assert terminal.process.wait(timeout=60) == 130
+    finally:
+        lines = terminal.close()
+    assert "[asks_secret] interrupted at the secret\n" in lines
+    assert "did not stop within the grace period" not in lines

@@ -88,6 +88,7 @@ import os
 import select
 import signal
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -361,12 +362,46 @@ class _TerminalReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         self._before_read()
-        # Polled, not one blocking read: a Ctrl-C reaches a job as an exception raised in
-        # its thread, which a read blocked in C would hold back until the user's Enter;
-        # under `python` it ends the wait at once.
-        while not select.select([0], [], [], 0.25)[0]:
-            pass
+        _wait_readable(0)
         return os.readv(0, [buffer])
+
+    def read_secret(self, prompt: str, encoding: str) -> str:
+        """`getpass.getpass` on the terminal, as the standard library's: `prompt` written
+        to /dev/tty, then a line read from it with echo off, polled as every read here."""
+        try:
+            tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+        except OSError:  # no controlling terminal: it reads stdin (through readinto)
+            return _originals["getpass.getpass"](prompt)
+        self._before_read()
+        try:
+            echoing = termios.tcgetattr(tty)
+            silent = [*echoing[:3], echoing[3] & ~termios.ECHO, *echoing[4:]]
+            termios.tcsetattr(tty, termios.TCSAFLUSH, silent)
+            try:
+                os.write(tty, prompt.encode(encoding, "replace"))
+                line = b""
+                while not line.endswith(b"\n"):
+                    _wait_readable(tty)
+                    chunk = os.read(tty, 4096)
+                    if not chunk:  # Ctrl-D
+                        break
+                    line += chunk
+                if not line:
+                    raise EOFError
+            finally:
+                termios.tcsetattr(tty, termios.TCSAFLUSH, echoing)
+                os.write(tty, b"\n")
+        finally:
+            os.close(tty)
+        return line.decode(encoding, "replace").removesuffix("\n")
+
+
+def _wait_readable(fd: int) -> None:
+    """Polled, not one blocking read: a Ctrl-C reaches a job as an exception raised in
+    its thread, which a read blocked in C would hold back until the user's Enter; under
+    `python` it ends the wait at once."""
+    while not select.select([fd], [], [], 0.25)[0]:
+        pass
 
 
 def job_stdin(reads_launcher_stdin: bool, before_terminal_read: Callable[[], None] | None = None) -> io.TextIOBase:
@@ -394,6 +429,22 @@ def job_stdin(reads_launcher_stdin: bool, before_terminal_read: Callable[[], Non
                 errors=getattr(original, "errors", None) or "strict",
             )
     return open(os.devnull)  # noqa: SIM115 - the launcher closes it when the job ends
+
+
+def _getpass(prompt: str = "Password: ", stream=None, **kwargs) -> str:
+    """`getpass.getpass` in a job: the terminal is the job's that reads wwrun's standard
+    input there (as `input()` is), and it waits as its `input()` does, its prompt shown
+    and a Ctrl-C ending the wait; a job reading end of file has no terminal, and gets
+    what a script without one gets (a warning, then EOFError)."""
+    import getpass
+
+    job = current_job()
+    reader = getattr(getattr(getattr(job, "stdin", None), "buffer", None), "raw", None)
+    if isinstance(reader, _TerminalReader):
+        return reader.read_secret(prompt, job.stdin.encoding)
+    if job is not None and getattr(reader, "name", None) == os.devnull:
+        return getpass.fallback_getpass(prompt, stream)
+    return _originals["getpass.getpass"](prompt, stream, **kwargs)
 
 
 def process_environ():
@@ -2461,11 +2512,19 @@ def _patch_functions() -> None:
     _tag_processes()
     _patch_runpy()
     _patch_thread_hooks()
+    _patch_getpass()
     _posixsubprocess.fork_exec = _fork_exec
     # subprocess binds fork_exec at import; its posix_spawn path would bypass it.
     subprocess._fork_exec = _fork_exec
     subprocess._USE_POSIX_SPAWN = False
     multiprocessing.spawn.get_preparation_data = _get_preparation_data
+
+
+def _patch_getpass() -> None:
+    import getpass
+
+    _originals["getpass.getpass"] = getpass.getpass
+    getpass.getpass = _getpass
 
 
 def original_stdout():
