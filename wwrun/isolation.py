@@ -365,20 +365,33 @@ class _TerminalReader(io.RawIOBase):
         _wait_readable(0)
         return os.readv(0, [buffer])
 
-    def read_secret(self, prompt: str, encoding: str) -> str:
+    def read_secret(self, prompt: str, stream, encoding: str) -> str:
         """`getpass.getpass` on the terminal, as the standard library's: `prompt` written
-        to /dev/tty, then a line read from it with echo off, polled as every read here."""
+        to `stream` or else /dev/tty, then a line read from /dev/tty with echo off,
+        polled as every read here."""
         try:
             tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
         except OSError:  # no controlling terminal: it reads stdin (through readinto)
-            return _originals["getpass.getpass"](prompt)
-        self._before_read()
+            return _originals["getpass.getpass"](prompt, stream)
+
+        def say(text: str) -> None:
+            if stream is None:
+                os.write(tty, text.encode(encoding, "replace"))
+            else:
+                stream.write(text)
+                stream.flush()
+
         try:
             echoing = termios.tcgetattr(tty)
             silent = [*echoing[:3], echoing[3] & ~termios.ECHO, *echoing[4:]]
             termios.tcsetattr(tty, termios.TCSAFLUSH, silent)
             try:
-                os.write(tty, prompt.encode(encoding, "replace"))
+                if stream is None:  # the screen first given to plain lines, then the prompt
+                    self._before_read()
+                    say(prompt)
+                else:  # the prompt in the job's output, which the hook then shows
+                    say(prompt)
+                    self._before_read()
                 line = b""
                 while not line.endswith(b"\n"):
                     _wait_readable(tty)
@@ -390,7 +403,7 @@ class _TerminalReader(io.RawIOBase):
                     raise EOFError
             finally:
                 termios.tcsetattr(tty, termios.TCSAFLUSH, echoing)
-                os.write(tty, b"\n")
+            say("\n")
         finally:
             os.close(tty)
         return line.decode(encoding, "replace").removesuffix("\n")
@@ -441,7 +454,7 @@ def _getpass(prompt: str = "Password: ", stream=None, **kwargs) -> str:
     job = current_job()
     reader = getattr(getattr(getattr(job, "stdin", None), "buffer", None), "raw", None)
     if isinstance(reader, _TerminalReader):
-        return reader.read_secret(prompt, job.stdin.encoding)
+        return reader.read_secret(prompt, stream, job.stdin.encoding)
     if job is not None and getattr(reader, "name", None) == os.devnull:
         return getpass.fallback_getpass(prompt, stream)
     return _originals["getpass.getpass"](prompt, stream, **kwargs)
