@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.forking import child_can_take
 from wwrun import forksafe
@@ -45,10 +48,30 @@ def test_dataloader_workers_forked_while_other_jobs_allocate_draw_print_and_impo
             "--report", str(tmp_path / "report.json"), script, "loader", str(STRESS_LOADERS), str(tmp_path)]
     for role in ("allocate", "draw", "print", "import"):
         argv += [":", script, role, str(tmp_path)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120 + STRESS_LOADERS,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = _run_or_show_stacks(argv, 120 + STRESS_LOADERS, tmp_path / "logs", cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert [job["state"] for job in report["jobs"]] == ["succeeded"] * 5
     assert f"loader: {STRESS_LOADERS} loaders, {2 * STRESS_LOADERS} forks" in done.stdout
     assert done.stdout.count("finished") == 5
+
+
+def _run_or_show_stacks(argv: list[str], timeout: float, log_dir: Path, **popen) -> subprocess.CompletedProcess:
+    """Runs wwrun; if it has not ended within `timeout`, a SIGABRT to its process group
+    makes faulthandler write every thread's stack, the forked workers' too, into the
+    run's crash.log, and the failure shows them: a hang says where it hangs."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **popen)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        stacks = "".join(log.read_text(errors="replace") for log in log_dir.glob("*/crash.log"))
+        pytest.fail(f"wwrun did not end within {timeout} s; its threads' stacks:\n{stacks[-30000:]}", pytrace=False)
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
