@@ -300,18 +300,23 @@ def test_a_job_asking_at_a_terminal_shows_its_prompt_and_what_it_printed_before(
     assert "[asks] name? Bob\n[asks] hello Bob\n" in lines  # the terminal echoes what was typed
 
 
-def test_ctrl_c_reaches_a_job_waiting_at_a_prompt(tmp_path):
-    """Under `python` a Ctrl-C ends an `input()` at once; a job's read blocked in C held
-    it back until the user's Enter, and the job was abandoned after the grace period."""
-    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks.py")], tmp_path)
+@pytest.mark.parametrize(("script", "prompt", "interrupted"), [
+    ("asks.py", b"[asks] name? ", "[asks] interrupted at the prompt\n"),
+    ("asks_secret.py", b"token: ", "[asks_secret] interrupted at the secret\n"),  # getpass
+])
+def test_ctrl_c_reaches_a_job_waiting_at_a_prompt(tmp_path, script, prompt, interrupted):
+    """Under `python` a Ctrl-C ends an `input()` or a `getpass` at once; a job's read
+    blocked in C held it back until the user's Enter, and the job was abandoned after
+    the grace period."""
+    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / script)], tmp_path)
     try:
-        terminal.read_until(b"[asks] name? ", 300)
+        terminal.read_until(prompt, 300)
         terminal.process.send_signal(signal.SIGINT)
         terminal.read_until(b"job(s) in", 120)
         assert terminal.process.wait(timeout=60) == 130
     finally:
         lines = terminal.close()
-    assert "[asks] interrupted at the prompt\n" in lines
+    assert interrupted in lines
     assert "did not stop within the grace period" not in lines
 
 
@@ -344,15 +349,3 @@ def test_a_job_asks_for_a_secret_at_the_terminal_as_alone(tmp_path):
     assert "[asks_secret] got 's3cret'\n" in lines
     assert lines.count("s3cret") == 1  # not echoed as typed
 
-
-def test_ctrl_c_reaches_a_job_waiting_for_a_secret(tmp_path):
-    terminal = _Terminal(["--log-dir", str(tmp_path), str(SCRIPTS / "asks_secret.py")], tmp_path)
-    try:
-        terminal.read_until(b"token: ", 300)
-        terminal.process.send_signal(signal.SIGINT)
-        terminal.read_until(b"job(s) in", 120)
-        assert terminal.process.wait(timeout=60) == 130
-    finally:
-        lines = terminal.close()
-    assert "[asks_secret] interrupted at the secret\n" in lines
-    assert "did not stop within the grace period" not in lines
