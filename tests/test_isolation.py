@@ -1083,6 +1083,33 @@ def test_threads_fork_one_at_a_time():
     assert codes == [0, 0] and _FORKS_WATCHED["most"] == 1
 
 
+def test_a_fork_whose_child_cannot_register_an_exit_function_is_made_again(monkeypatch):
+    """A fork while another thread registers an exit function (its first call of a torch
+    op) leaves glibc's lock of them held in the child for good: a DataLoader worker hung
+    at its first op. Such a child is ended by its probe's alarm, and the fork made again;
+    here the first two children's probes end them so."""
+    isolation.install()
+    forks = []
+    fork, probe = isolation._originals["os.fork"], isolation._probe_exit_lock
+
+    def counted_fork():
+        forks.append(1)
+        return fork()
+
+    def first_two_held():
+        if len(forks) <= 2:
+            os.kill(os.getpid(), signal.SIGALRM)  # as the alarm ends a child whose lock is held
+        probe()
+
+    monkeypatch.setitem(isolation._originals, "os.fork", counted_fork)
+    monkeypatch.setattr(isolation, "_probe_exit_lock", first_two_held)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+    assert len(forks) == 3
+
+
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="filelock audits forks from Python 3.12")
 def test_two_jobs_fork_at_once_beside_filelock(tmp_path):
     """filelock (4.3; torch.compile, triton and the Hugging Face libraries import it)

@@ -1833,16 +1833,88 @@ def _os_fork():
     torch.compile, triton and the Hugging Face libraries import) refuses, from Python
     3.12, a fork begun while another thread is between its fork hooks: "os.fork is
     unsafe while filelock is changing descriptor ownership". Bounded: a fork held up
-    past `_FORK_WAIT_S` (another's fork waiting on a stuck hook) goes ahead, saying so."""
+    past `_FORK_WAIT_S` (another's fork waiting on a stuck hook) goes ahead, saying so.
+    A child that another thread left unable to register an exit function is made again
+    (`_fork_whole`)."""
     held = _fork_lock.acquire(timeout=_FORK_WAIT_S)
     if not held:
         print(f"wwrun: a fork waited {_FORK_WAIT_S:g} s for another thread's fork to end; forking beside it",
               file=original_stderr(), flush=True)
     try:
+        for _ in range(_FORK_TRIES - 1):
+            pid = _fork_whole()
+            if pid is not None:
+                return pid
         return _originals["os.fork"]()
     finally:  # in the child too: the forking thread holds it there (forksafe keeps it so)
         if held:
             _fork_lock.release()
+
+
+_FORK_TRIES = 5
+_FORK_VERDICT_S = 10.0
+_EXIT_LOCK_PROBE_S = 1
+
+
+def _fork_whole() -> int | None:
+    """A fork whose child can register an exit function, or None (that child gone).
+
+    fork() copies only the forking thread, and glibc (2.36) does not free its lock of
+    the exit functions in the child: a fork while another thread registers one (its
+    first call of a torch op makes the op's static handle, whose destructor is
+    registered) leaves it held there for good, and the child hangs at its own first
+    call of an op (a DataLoader worker indexing its dataset; seen in the fork stress
+    test). A script alone forks with no other thread running; under wwrun other jobs
+    run. So the child first registers one (a no-op, `free(NULL)`) under an alarm that
+    ends it if the lock is held, and says it is whole; the parent forks again if not.
+    Bounded: past `_FORK_VERDICT_S` without a word the child is taken as it is."""
+    if _libc() is None:
+        return _originals["os.fork"]()
+    verdict_r, verdict_w = os.pipe()
+    pid = _originals["os.fork"]()
+    if pid == 0:
+        _originals["os.close"](verdict_r)
+        _probe_exit_lock()  # returns only if the lock is free
+        _originals["os.write"](verdict_w, b"1")
+        _originals["os.close"](verdict_w)
+        return 0
+    _originals["os.close"](verdict_w)
+    try:
+        if not select.select([verdict_r], [], [], _FORK_VERDICT_S)[0] or os.read(verdict_r, 1):
+            return pid
+    finally:
+        _originals["os.close"](verdict_r)
+    os.waitpid(pid, 0)  # ended by its alarm: the lock was held
+    return None
+
+
+def _probe_exit_lock() -> None:
+    """In a forked child: registers a no-op exit function, or ends the child (SIGALRM)
+    if the exit functions' lock stays held past `_EXIT_LOCK_PROBE_S`."""
+    libc = _libc()
+    if libc is None:
+        return
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    previous = libc.signal(signal.SIGALRM, 0)  # SIG_DFL: the alarm ends the process
+    libc.alarm(_EXIT_LOCK_PROBE_S)
+    libc.__cxa_atexit(libc.free_address, None, None)
+    libc.alarm(0)
+    libc.signal(signal.SIGALRM, previous)
+
+
+@functools.cache
+def _libc():
+    """glibc's functions the probe calls, or None elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        handler = ctypes.c_void_p
+        libc.signal.restype, libc.signal.argtypes = handler, (ctypes.c_int, handler)
+        libc.alarm.argtypes = (ctypes.c_uint,)
+        libc.__cxa_atexit.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        libc.free_address = ctypes.cast(libc.free, ctypes.c_void_p)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _standard_stream(job: JobContext, fd: int) -> str | None:
