@@ -1879,13 +1879,16 @@ def _fork_whole() -> int | None:
         _originals["os.close"](verdict_w)
         return 0
     _originals["os.close"](verdict_w)
+    whole = False
     try:
-        if not select.select([verdict_r], [], [], _FORK_VERDICT_S)[0] or os.read(verdict_r, 1):
-            return pid
-    finally:
+        whole = not select.select([verdict_r], [], [], _FORK_VERDICT_S)[0] or os.read(verdict_r, 1) == b"1"
+    finally:  # interrupted (a Ctrl-C): the caller never learns of the child, which ends
         _originals["os.close"](verdict_r)
-    os.waitpid(pid, 0)  # ended by its alarm: the lock was held
-    return None
+        if not whole:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)  # gone already when its alarm ended it
+                os.waitpid(pid, 0)
+    return pid if whole else None
 
 
 def _probe_exit_lock() -> None:
