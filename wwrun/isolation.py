@@ -1894,9 +1894,7 @@ def _fork_whole() -> int | None:
 def _probe_exit_lock() -> None:
     """In a forked child: registers a no-op exit function, or ends the child (SIGALRM)
     if the exit functions' lock stays held past `_EXIT_LOCK_PROBE_S`."""
-    libc = _libc()
-    if libc is None:
-        return
+    libc = _libc()  # loaded by the parent, which forks so only where it is
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
     previous = libc.signal(signal.SIGALRM, 0)  # SIG_DFL: the alarm ends the process
     libc.alarm(_EXIT_LOCK_PROBE_S)
@@ -1909,7 +1907,7 @@ def _probe_exit_lock() -> None:
 def _libc():
     """glibc's functions the probe calls, or None elsewhere."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
         handler = ctypes.c_void_p
         libc.signal.restype, libc.signal.argtypes = handler, (ctypes.c_int, handler)
         libc.alarm.argtypes = (ctypes.c_uint,)
