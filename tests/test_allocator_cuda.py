@@ -310,7 +310,7 @@ def test_a_job_never_reads_memory_another_job_freed():
             del secret
         with torch.cuda.stream(s2):
             seen = torch.empty(n, dtype=torch.int32, device="cuda")
-            zeros = bool((seen == 0).all())
+            zeros = bool((seen.cpu() == 0).all())  # on the host: the limit leaves B no 16 MiB for a mask
         stats = wa.stats()
         print(json.dumps({"zeros": zeros, "moves": stats["device"]["num_page_moves"],
                           "scrubbed": wa.job_stats("B")["scrubbed_bytes"]}))
@@ -338,7 +338,7 @@ def test_an_ended_job_s_memory_is_scrubbed_in_one_batch_and_reused_without_memse
         wa.unregister_job("A")  # the launcher calls it from A's thread; the host does not wait
         with torch.cuda.stream(s2):
             seen = torch.empty(n, dtype=torch.int32, device="cuda")
-            zeros = bool((seen == 0).all())
+            zeros = bool((seen.cpu() == 0).all())  # on the host: the limit leaves B no 16 MiB for a mask
         stats = wa.stats()
         print(json.dumps({"zeros": zeros, "moves": stats["device"]["num_page_moves"],
                           "memset": wa.job_stats("B")["scrubbed_bytes"],
