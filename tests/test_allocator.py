@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -509,6 +510,39 @@ def test_a_failed_scrub_launch_warns_and_leaves_the_pages_to_be_zeroed_as_they_m
     got = alloc.alloc_traced(PAGE, B)
     assert alloc.read(got.ptr, got.size) == bytes(got.size)
     assert alloc.job_stats("B")["scrubbed_bytes"] == PAGE
+
+
+def test_a_scrub_launch_at_the_limit_leaves_its_pages_to_be_zeroed_as_they_move_and_later_ones_batched(monkeypatch):
+    """The launch's range table can find the limit reached: those blocks are zeroed
+    at hand-out, without a warning, and the next ended job's are batched again."""
+    import triton_kernels
+
+    import wwrun.memory.allocator
+
+    launch = triton_kernels.zero_ranges_
+    calls = []
+
+    def first_launch_finds_the_limit(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("the limit is reached")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "zero_ranges_", first_launch_finds_the_limit)
+    monkeypatch.setattr(wwrun.memory.allocator, "_batched_scrub_failed", False)  # restored after
+    alloc = two_jobs()
+    a_secret_page(alloc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alloc.unregister_job("A")
+    got = alloc.alloc_traced(PAGE, B)
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+    assert alloc.job_stats("B")["scrubbed_bytes"] == PAGE
+    fill(alloc, got.ptr, got.size, SECRET)
+    alloc.free(got.ptr)
+    alloc.unregister_job("B")
+    assert len(calls) == 2 and alloc.stats()["device"]["scrub_batches"] == 1
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
 
 
 # --- record_stream, jobs, input --------------------------------------------------

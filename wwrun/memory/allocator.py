@@ -202,6 +202,8 @@ def _scrub_in_one_launch(take, finish, device: torch.device, stream=None) -> int
         # No allocator lock is held here: the launch allocates its range table.
         zero_ranges_(ptrs, sizes, device, stream=stream)
         zeroed = True
+    except torch.OutOfMemoryError:
+        pass  # its range table found the limit reached: these blocks are zeroed at hand-out, later ones batched
     except Exception as error:  # noqa: BLE001 - e.g. Triton cannot compile here
         _batched_scrub_failed = True
         warnings.warn(
