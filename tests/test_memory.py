@@ -412,6 +412,68 @@ def test_on_cuda_the_user_s_cudamallocasync_is_kept_and_reported(tmp_path):
     assert run["peak_reserved_bytes"] >= run["peak_memory_bytes"] >= 128 * MiB
 
 
+@pytest.mark.gpu
+def test_on_cuda_a_run_drops_an_earlier_in_process_run_s_stream_workspaces_never_a_live_job_s():
+    """torch keeps a cuBLAS workspace per (handle, stream) for good: an earlier
+    in-process run's (a notebook's, a benchmark's) sat in the next run's limit as
+    the 'default' job's, until the fragmentation benchmark's third run could not
+    start. A new run drops them, but not while a job of wwrun's streams runs."""
+    code = r"""
+import json, threading, torch
+from wwrun.memory import Memory, allocator
+
+def held():
+    torch.cuda.synchronize()
+    return allocator.stats()["device"]["allocated_bytes"]["current"]
+
+def job(memory, name, ready=None, hold=None):
+    with memory.session(name):
+        x = torch.randn(64, 64, device="cuda", requires_grad=True)
+        (x @ x).sum().backward()
+        del x
+        if hold is not None:
+            ready.set()
+            hold.wait(60)
+
+first = Memory("cuda", None, "concurrent", jobs_at_once=2)
+threads = [threading.Thread(target=job, args=(first, name)) for name in "AB"]
+[t.start() for t in threads]; [t.join(60) for t in threads]
+first.close()
+seen = {"fixed": allocator.stream_fixed_cost(), "after_first": held()}
+second = Memory("cuda", None, "concurrent", jobs_at_once=2)
+seen["second_starts_with"] = held()
+ready, hold = threading.Event(), threading.Event()
+running = threading.Thread(target=job, args=(second, "C", ready, hold)); running.start()
+seen["c_ready"] = ready.wait(60)  # C's workspaces are made, its session open
+seen["dropped_while_c_runs"] = allocator.drop_idle_workspaces()
+hold.set(); running.join(60)
+second.close()
+print(json.dumps(seen))
+"""
+    seen = _child_figures(code)
+    assert seen["after_first"] >= seen["fixed"] > 0, seen  # the first run's workspaces outlive it
+    assert seen["second_starts_with"] < seen["fixed"], seen
+    assert seen["c_ready"] and seen["dropped_while_c_runs"] is False, seen
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_run_whose_jobs_share_16_mib_starts_and_measures_its_copy_rate():
+    """The offload's copy-rate probe at start-up took 32 MiB of the device, and a
+    run whose jobs have less stopped with an out-of-memory traceback; it takes a
+    quarter of the jobs' budget at most."""
+    code = r"""
+import json, torch
+from wwrun.memory import Memory, allocator
+allocator.install()
+fixed = allocator.measure_headroom().stream_fixed_bytes
+memory = Memory("cuda", 2 * fixed + (16 << 20), "waterwave", jobs_at_once=2, offload="auto")
+print(json.dumps({"budget": memory.engine.capacity, "rate": memory.engine.offloader.copy_rate}))
+memory.close()
+"""
+    seen = _child_figures(code)
+    assert seen["budget"] == 16 << 20 and seen["rate"] > 0, seen
+
+
 @pytest.fixture
 def fake_cuda_device(monkeypatch):
     """Memory on a CUDA device that is not here: an 8 GiB device whose capacity is

@@ -223,8 +223,10 @@ class Memory:
                               f"({format_size(self.fixed_bytes)}) are held")
         if torch.cuda.is_initialized():  # (after device_capacity's warm-up, always on a GPU)
             # The run starts from what is live: the CUDA allocator lives as long as the
-            # process, and an earlier in-process run (wwrun.launch in a benchmark) left
-            # its cached segments and peaks, which are not this run's.
+            # process, and an earlier in-process run (wwrun.launch in a benchmark or a
+            # notebook) left its cached segments, its streams' cuBLAS workspaces and
+            # peaks, which are not this run's.
+            allocator.drop_idle_workspaces(index)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if self.allocator == "waterwave":  # the allocator enforces it (its reserved limit)
@@ -252,23 +254,26 @@ class Memory:
         )
         if engine.capacity is not None and engine.offloader is not None and self.jobs_at_once > 1:
             # Parking weighs copies at this rate (offload.py, rule 6); one job alone never parks.
-            engine.offloader.copy_rate = self._copy_rate()
+            engine.offloader.copy_rate = self._copy_rate(engine.capacity)
         if self.allocator == "waterwave":
             engine.release_listeners.append(self._expect_releases)
             if self.limit is not None:
                 engine.capacity_source = self._budget_now
         return engine
 
-    def _copy_rate(self) -> float:
+    def _copy_rate(self, budget: int) -> float:
         """Bytes/s between the device and host memory, measured at start-up on this
-        thread (no job's): on CUDA its probe's pages go back at once."""
-        from wwrun.memory.offload import measure_copy_rate
+        thread (no job's): on CUDA its probe takes at most a quarter of the jobs'
+        budget (a whole probe once stopped a run under a tight limit), and its pages
+        go back at once."""
+        from wwrun.memory.offload import RATE_PROBE_BYTES, measure_copy_rate
 
-        rate = measure_copy_rate(self.device)
-        if self.device == "cuda":
-            import torch
+        if self.device != "cuda":
+            return measure_copy_rate(self.device)
+        import torch
 
-            torch.cuda.empty_cache()
+        rate = measure_copy_rate(self.device, max(1 << 20, min(RATE_PROBE_BYTES, budget // 4)))
+        torch.cuda.empty_cache()
         return rate
 
     @staticmethod

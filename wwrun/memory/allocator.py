@@ -45,6 +45,7 @@ __all__ = [
     "cpu_stats",
     "cpu_unregister_job",
     "device_capacity",
+    "drop_idle_workspaces",
     "install",
     "in_use",
     "install_cpu_allocator",
@@ -618,6 +619,24 @@ def new_job_stream(device=None) -> torch.cuda.ExternalStream:
         handle = idle.pop() if idle else module.create_job_stream(index)
         _made_job_streams.add((index, handle))
     return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+
+
+def drop_idle_workspaces(device=None) -> bool:
+    """Drops torch's cuBLAS workspaces when no job of wwrun's streams is live (an
+    earlier in-process run ended): torch keeps one per (handle, stream) for good,
+    about 66 MiB each on sm_90, and an earlier run's would sit in this run's limit
+    as the 'default' job's. Returns whether it dropped them: never while a job
+    runs, whose cuBLAS call may be using its workspace."""
+    index = _device_index(device)
+    with _job_streams_lock:
+        if _job_stream_of:
+            return False
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
+            return False
+        torch.cuda.synchronize(index)
+        clear()
+        return True
 
 
 def register_stream(stream, job: str, memory_limit: int | None = None) -> None:

@@ -559,15 +559,15 @@ class _Chunk:
             pass
 
 
-def measure_copy_rate(device: str) -> float:
+def measure_copy_rate(device: str, nbytes: int = RATE_PROBE_BYTES) -> float:
     """Bytes per second of one copy between the device and host memory (pinned on
     CUDA; on the CPU two host buffers of the offload's own, outside the budget), the
-    better of two tries of RATE_PROBE_BYTES: what parking costs (rule 6)."""
-    host = HostPool(2 * RATE_PROBE_BYTES, pinned=device == "cuda")
-    source, _ = host.take(RATE_PROBE_BYTES)
-    target, _ = host.take(RATE_PROBE_BYTES)
+    better of two tries of `nbytes`: what parking costs (rule 6)."""
+    host = HostPool(2 * nbytes, pinned=device == "cuda")
+    source, _ = host.take(nbytes)
+    target, _ = host.take(nbytes)
     if device == "cuda":
-        source = torch.empty(RATE_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     best = float("inf")
     for _ in range(2):
         began = time.perf_counter()
@@ -576,7 +576,7 @@ def measure_copy_rate(device: str) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - began) / 2)
-    return RATE_PROBE_BYTES / max(best, 1e-9)
+    return nbytes / max(best, 1e-9)
 
 
 def _copy_stream(job: JobOffload, device: torch.device):
