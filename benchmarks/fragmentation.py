@@ -192,7 +192,11 @@ def run_mix(limit: int, fraction: float, seed: int, sequential: bool = True, pro
 TORCH_ALLOC_CONF = "expandable_segments:True"
 CONTEXT_PROBE = """
 import sys, torch
-torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # a context and a cuBLAS handle, as a job's
+# A context and what a job's training step makes outside the caching allocator: the
+# cuBLAS and cuBLASLt handles of its thread and of the autograd thread (with only the
+# first, a job process's backward once failed in cublasCreate).
+layer = torch.nn.Linear(8, 8).cuda()
+layer(torch.ones(4, 8, device="cuda")).sum().backward()
 torch.cuda.synchronize()
 print(torch.cuda.memory_reserved(), flush=True)  # the caching allocator's part: not the context's
 sys.stdin.read()
@@ -226,7 +230,7 @@ def _release(proc: subprocess.Popen) -> None:
 @functools.cache
 def context_bytes() -> int:
     """What one job process holds on the device outside its caching allocator (its
-    CUDA context, modules and cuBLAS handle): the drop in the device's free memory
+    CUDA context, modules and its two threads' cuBLAS handles): the drop in the device's free memory
     while a probe process lives, less its allocator's reserve. Measured once a run."""
     import torch
 
