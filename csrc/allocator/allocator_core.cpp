@@ -290,24 +290,35 @@ bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, 
   mapping_ = true;
   std::vector<FreePage> pages;
   bool got = false;
+  // Pages the budget has, or may make under the limit, beside the free ones.
+  const auto short_by = [&] {
+    std::size_t room = free_pages_.size();
+    if (options_.reserved_limit != 0) {
+      const auto held = static_cast<std::size_t>(stats_.reserved_bytes.current);
+      if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / page_;
+    }
+    return lacking > room ? lacking - room : 1;
+  };
   try {
-    // The budget's free pages, the block's own idle ones past the request, then
-    // ready idle pages of any range before fresh ones (Note [Layouts]: the device
-    // holds what the jobs use); at the limit, e.
-    if (free_pages_.size() < lacking) cut_pages_past(block, size);
-    if (free_pages_.size() < lacking) cut_idle_pages(lacking - free_pages_.size(), job);
+    // Pages that are no running job's cache first: the budget's free ones and an
+    // ended job's idle ones; then fresh ones while the limit has room. Only then do
+    // a running job's idle pages move (Note [Layouts]): the block's own past the
+    // request, its job's, then others'; then e.
+    if (free_pages_.size() < lacking) cut_idle_pages(lacking - free_pages_.size(), job, /*ended_only=*/true);
+    bool moved = false;
     while (!(got = take_pages(lock, lacking, job, pages))) {
+      if (!moved) {
+        moved = true;
+        cut_pages_past(block, size, nullptr, short_by());
+        if (free_pages_.size() < lacking) cut_idle_pages(short_by(), job);
+        continue;
+      }
       // e. idle pages behind pending events too (the host waits), then d again.
       if (stage < kRuleE) {
         stage = kRuleE;
         ++stats_.num_alloc_retries;
       }
-      std::size_t room = free_pages_.size();
-      if (options_.reserved_limit != 0) {
-        const auto held = static_cast<std::size_t>(stats_.reserved_bytes.current);
-        if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / page_;
-      }
-      if (harvest_pages(lock, lacking > room ? lacking - room : 1, job) == 0) break;
+      if (harvest_pages(lock, short_by(), job) == 0) break;
     }
   } catch (...) {
     end_mapping(block, false);
@@ -515,16 +526,16 @@ std::size_t MemoryFlowAllocator::harvest_pages(Lock& lock, std::size_t wanted, J
 
 // At least `wanted` pages back to the budget, if ready free blocks hold idle
 // ones: ended jobs' ranges first (no one's cache), then the job's own (no
-// zeroing), then other running jobs', those with the most idle pages first.
-// Returns the pages gained.
-std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job) {
+// zeroing), then other running jobs', those with the most idle pages first;
+// with `ended_only`, ended jobs' alone. Returns the pages gained.
+std::size_t MemoryFlowAllocator::cut_idle_pages(std::size_t wanted, JobId job, bool ended_only) {
   process_events_locked();
   const auto rank = [&](const Segment* segment) {
     return !jobs_[segment->job].active ? 0 : segment->job == job ? 1 : 2;
   };
   std::vector<Segment*> candidates;
   for (auto& [base, segment] : segments_) {
-    if (segment->idle > 0) candidates.push_back(segment);
+    if (segment->idle > 0 && (!ended_only || rank(segment) == 0)) candidates.push_back(segment);
   }
   std::stable_sort(candidates.begin(), candidates.end(), [&](const Segment* x, const Segment* y) {
     return rank(x) != rank(y) ? rank(x) < rank(y) : x->idle > y->idle;

@@ -97,13 +97,16 @@
 //     the same course beside other jobs as alone, and a request succeeds
 //     whenever the pages all jobs hold leave room for the ones it adds: the
 //     engine plans in held bytes, exactly, with no margin for fragmentation;
-//   - idle pages stay mapped while nobody needs them, and an idle page that is
-//     ready goes to the next request that lacks one before a fresh page is
-//     made, even while the device has room: the device then holds what the jobs
-//     use (reserved follows their summed allocation, as Waterwave's flow means
-//     it), not each job's cache of its own peak. A move costs a remap (a driver
-//     call per page; on the host, a page-table move) and, between jobs, a
-//     zeroing; a job's own idle pages go before others', with no zeroing;
+//   - idle pages stay mapped while the limit has room: a request that lacks
+//     pages gets the budget's free ones and ended jobs' idle ones, then fresh
+//     ones. At the limit, ready idle pages of running jobs' ranges go to it,
+//     its own job's before others' (with no zeroing): there the device holds
+//     what the jobs use (reserved follows their summed allocation, as
+//     Waterwave's flow means it), not each job's cache of its own peak. A move
+//     costs a remap (three driver calls a page on a GPU; on the host, a
+//     page-table move) and, between jobs, a zeroing: moved before fresh pages
+//     were made, pages went back and forth between a job's own ranges at every
+//     training step;
 //   - a page is unmapped only once its last use completed: a ready block's at
 //     once, a pending block's after the host waited for its event (e; unmapping
 //     memory the device still uses is undefined). Within a job, blocks still
@@ -505,7 +508,7 @@ class MemoryFlowAllocator {
   void map_pages(Block* block, const std::vector<std::size_t>& slots,
                  const std::vector<FreePage>& pages, JobId job, ZeroRuns& zero_runs);
   std::size_t harvest_pages(Lock& lock, std::size_t wanted, JobId job);
-  std::size_t cut_idle_pages(std::size_t wanted, JobId job);
+  std::size_t cut_idle_pages(std::size_t wanted, JobId job, bool ended_only = false);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   std::size_t cut_pages(Block* block, std::vector<FreePage>* into = nullptr);
   std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr,
