@@ -343,6 +343,7 @@ def main() -> None:
         result.update(scenario_loop(args.loop))
     else:
         result.update(grid_figures(args))
+    result["complete"] = True  # (a run stopped at a time limit leaves {"complete": false, "per_run": ...})
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -374,7 +375,9 @@ def grid_figures(args) -> dict:
               f"lost {figures['lost']} {figures['lost_by'] or ''}, allocated/reserved "
               f"{figures['allocated_over_reserved']:.3f}, {figures['wall_s']:.1f} s{ratio}{apart}", flush=True)
         for error in figures["errors"] + figures.get("processes", {}).get("errors", []):
-            print(f"    {error[:300]}")
+            print(f"    {error}")
+        if args.out:  # the runs so far, whole: a run stopped at a time limit keeps them
+            Path(args.out).write_text(json.dumps({"complete": False, "per_run": runs}, indent=1) + "\n")
     kinds = [kind for run in runs for kind, n in run["lost_by"].items() for _ in range(n)]
     timed = [run for run in runs if "sequential_wall_s" in run]
     apart = [run["processes"] for run in runs if "processes" in run]
@@ -398,7 +401,7 @@ def grid_figures(args) -> dict:
         if timed else None,
         "elapsed_s": round(time.perf_counter() - started, 1),
         "per_run": [{k: ({**v, "errors": v["errors"][:3]} if k == "processes" else v)
-                     for k, v in run.items() if k != "errors"} for run in runs],
+                     for k, v in run.items()} for run in runs],  # with each lost job's whole error
     }
 
 
