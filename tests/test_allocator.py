@@ -361,7 +361,7 @@ def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
     # What was free when it failed, as it was: the 28 pages cut out of A's range.
     assert "it needs 38 pages of 0.50 MiB more than are mapped where it goes; 28 other reserved ones are free" in message
-    assert "14.00 MiB reserved but free: 28 whole pages (14.00 MiB)" in message
+    assert "14.00 MiB reserved but free: 28 whole pages (14.00 MiB), 28 of them takeable now" in message
     assert alloc.stats()["rules"]["g"] == 1
     assert alloc.job_stats("B")["num_ooms"] == 1
     assert alloc.job_stats("A")["num_ooms"] == 0
@@ -433,6 +433,23 @@ def test_a_pending_scrub_orders_both_ways_on_the_device():
     assert alloc.completed_event(SCRUB) == alloc.last_event(SCRUB)  # waited for on the host
     assert alloc.read(got.ptr, got.size) == bytes(got.size)
     assert alloc.stats()["device"]["scrubbed_bytes"] == 0
+
+
+def test_out_of_memory_counts_as_free_only_the_pages_a_request_could_take():
+    """An ended job's page in a scrub is idle, but no request can take it until
+    the scrub is done: an H200 run's message said "the device gave no more pages
+    ... 254 other reserved ones are free" of a request at the limit that those
+    pages could not serve."""
+    alloc = two_jobs(reserved_limit=2 * PAGE)
+    alloc.free(alloc.alloc(PAGE, A))
+    alloc.take_dirty_blocks("A")  # its page is in a scrub
+    alloc.alloc(PAGE, B)  # the limit's other page
+    with pytest.raises(torch.OutOfMemoryError) as error:
+        alloc.alloc(PAGE, B)
+    message = str(error.value)
+    assert "the device memory limit of 1.00 MiB is reached" in message
+    assert "it needs 1 pages of 0.50 MiB more than are mapped where it goes; 0 other reserved ones are free" in message
+    assert "reserved but free: 1 whole pages (0.50 MiB), 0 of them takeable now" in message
 
 
 def test_blocks_in_scrub_are_never_handed_out_coalesced_or_released():

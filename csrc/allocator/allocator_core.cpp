@@ -325,12 +325,7 @@ bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, 
     throw;
   }
   if (!got) {
-    spare = free_whole_pages_locked();
-    const std::size_t start = static_cast<std::size_t>(block->ptr - block->segment->base);
-    for (std::size_t i = start / page_; i <= (start + size - 1) / page_; ++i) {
-      const PageSlot& slot = block->segment->pages[i];
-      spare -= slot.mapped && slot.uses == 0;  // the request's own: not spare
-    }
+    spare = takeable_pages_locked();  // the request's own block is held: not among them
     end_mapping(block, false);
     return false;
   }
@@ -673,6 +668,25 @@ std::size_t MemoryFlowAllocator::free_whole_pages_locked() const {
   return free_pages_.size() + idle_pages_locked();
 }
 
+// Whole free pages a request could take now, without waiting: the budget's, and
+// the mapped pages wholly inside ready free blocks (what cut_pages cuts). Idle
+// pages behind a pending event, in a scrub or deferred are not, nor those that
+// a free block shares with another block.
+std::size_t MemoryFlowAllocator::takeable_pages_locked() const {
+  std::size_t count = free_pages_.size();
+  for (const auto& [base, segment] : segments_) {
+    if (segment->idle == 0) continue;
+    for (const Block* block = segment->head; block != nullptr; block = block->next) {
+      if (!is_idle_free(block) || block->event != nullptr) continue;
+      const auto start = static_cast<std::size_t>(block->ptr - segment->base);
+      for (std::size_t i = (start + page_ - 1) / page_; i < (start + block->size) / page_; ++i) {
+        count += segment->pages[i].mapped;
+      }
+    }
+  }
+  return count;
+}
+
 // The longest run of mapped bytes inside a block.
 std::size_t MemoryFlowAllocator::mapped_run(const Block* block) const {
   const Segment* segment = block->segment;
@@ -921,8 +935,8 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
   const std::size_t free_pages = free_whole_pages_locked();
   message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current)
           << " reserved but free: " << free_pages << " whole pages ("
-          << format_bytes(static_cast<std::int64_t>(free_pages * page_))
-          << "), the largest free run "
+          << format_bytes(static_cast<std::int64_t>(free_pages * page_)) << "), "
+          << takeable_pages_locked() << " of them takeable now, the largest free run "
           << format_bytes(static_cast<std::int64_t>(largest_free_block_locked())) << "; "
           << format_bytes(stats_.pending_event_bytes) << " free behind pending events.";
   throw OutOfMemory(message.str());

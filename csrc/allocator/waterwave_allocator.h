@@ -521,6 +521,7 @@ class MemoryFlowAllocator {
   void drop_unused_segments(bool active_too);
   std::size_t idle_pages_locked() const;
   std::size_t free_whole_pages_locked() const;
+  std::size_t takeable_pages_locked() const;
   std::size_t mapped_run(const Block* block) const;
   char* va_take(std::size_t bytes);
   void va_give(char* base, std::size_t bytes);
