@@ -173,6 +173,7 @@ def gpu_child(kind: str) -> dict:
             threading.Thread(target=train, args=(torch.cuda.Stream(), steps, done, f"j{i}"))
             for i in range(jobs)
         ]
+        moves = wa.stats()["device"]["num_page_moves"] if kind == "wwrun" else 0
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -180,6 +181,9 @@ def gpu_child(kind: str) -> dict:
             t.join()
         if key:
             result[key] = sum(done) / (time.perf_counter() - start)
+            if kind == "wwrun":  # each a remap (three driver calls) and maybe a zeroing
+                result[key.replace("steps_per_s", "page_moves_per_step")] = \
+                    (wa.stats()["device"]["num_page_moves"] - moves) / sum(done)
     return result
 
 
