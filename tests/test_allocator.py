@@ -877,9 +877,9 @@ def test_below_the_limit_a_running_job_s_idle_pages_stay_and_an_ended_job_s_move
 def test_a_job_s_training_steps_move_no_pages_while_the_limit_has_room():
     """A step's frees leave idle pages in one of the job's ranges while its next
     request lacks pages in another: taken before fresh ones, pages moved back and
-    forth at every step (40 a step for a one-job training loop on the CPU,
-    driver calls and zeroing each on a GPU, where such a loop ran at a third of
-    PyTorch's speed). Below the limit the job's ranges keep their pages."""
+    forth at every step (40 a step for a one-job training loop on the CPU; on a
+    GPU each is three driver calls, and maybe a zeroing). Below the limit the
+    job's ranges keep their pages."""
     alloc = two_jobs()
     alloc.free(alloc.alloc(32 * MiB, B))  # B's idle cache beside it
 
