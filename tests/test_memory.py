@@ -215,6 +215,72 @@ print(out["j"][0], plain[0], out["j"][1] == plain[1])
     assert same_losses == "True", result.stdout
 
 
+def test_a_pass_whose_whole_claim_fits_beside_the_others_is_gated_once_not_per_group():
+    """While every job's whole iteration fits beside the others' (Scheduler.roomy), a
+    measured pass takes its whole claim at its start, and its NodeGroups need no
+    gate of their own: a gate is a lock, a scheduler decision and a listener call on
+    the job's thread, each a GIL hand-over among jobs. Two jobs whose iterations do
+    not fit together are gated group by group. Losses stay python's."""
+    code = r"""
+import json, threading, torch
+from torch import nn
+from wwrun.memory import Memory
+
+torch.set_num_threads(1)
+
+def run(after_first=lambda: None):
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(5):
+        loss = model(torch.randn(2048, 64, generator=g)).square().mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+        if step == 0:
+            after_first()
+    return losses
+
+def passes(limit, jobs):
+    # Per job, its passes: [whether its start took the whole claim, gates in the pass].
+    memory = Memory("cpu", limit, "waterwave", nodegroups=4)
+    engine, seen, sizes = memory.engine, {name: [] for name in jobs}, {}
+    gate = engine._gate
+    def counting(job, group, **kwargs):
+        whole = gate(job, group, **kwargs)
+        if kwargs.get("pass_start"):
+            seen[job.name].append([whole, 0])
+        seen[job.name][-1][1] += 1
+        sizes[job.name] = engine.scheduler.jobs[job.name].footprint
+        return whole
+    engine._gate = counting
+    settled, losses = threading.Barrier(len(jobs)), {}
+    def job(name):
+        with memory.session(name):
+            losses[name] = run(lambda: settled.wait(60))  # both admitted, profiled and settled
+    threads = [threading.Thread(target=job, args=(name,)) for name in jobs]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    memory.close()
+    return seen, losses, sizes
+
+alone, losses, sizes = passes(256 << 20, ["a"])
+# Each fits alone with room to spare; together their iterations do not.
+two, two_losses, _ = passes(int(1.5 * sizes["a"]), ["b", "c"])
+plain = run()
+print(json.dumps({"alone": alone["a"], "two": two, "footprint": sizes["a"],
+                  "same": all(v == plain for v in [losses["a"], *two_losses.values()])}))
+"""
+    seen = _child_figures(code)
+    assert seen["same"], seen
+    # Passes 3-5: profiled and settled, alone in 256 MiB: one gate per pass.
+    assert all(whole and gates == 1 for whole, gates in seen["alone"][2:]), seen["alone"]
+    later = [p for job in seen["two"].values() for p in job[1:]]
+    assert any(not whole for whole, _ in later), seen["two"]  # both ran at once after settling
+    for whole, gates in later:
+        assert gates == (1 if whole else 4), seen["two"]  # else the pass start and 3 group entries
+
+
 def test_backward_keeps_the_gradients_in_flight_it_measured():
     """Backward holds more than the forward targets of the groups it has yet to go
     through (each group's gradients in flight come on top of what it saved): the

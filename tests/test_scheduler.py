@@ -351,3 +351,35 @@ def test_a_newcomer_alike_a_settled_job_starts_its_first_pass_beside_the_others(
     assert sched.request("a", 600, pass_start=True) is Decision.GRANT  # a's next pass goes on
     sched.end_profile("b", 500)
     assert sched.jobs["b"].claim == 600
+
+
+def test_roomy_while_every_job_s_whole_iteration_fits_beside_the_others():
+    """`roomy`: no request within a claim can be refused, so a pass may take its whole
+    claim at its start. Not while a job is queued, being profiled or waiting, nor once
+    the jobs' persistent bytes and claims together pass the budget."""
+    sched = Scheduler(1000)
+    sched.enqueue("a")
+    assert sched.try_start("a")
+    assert sched.request_persistent("a", 100) is Decision.GRANT
+    assert sched.request("a", 300, pass_start=True, profile=True) is Decision.GRANT
+    assert not sched.roomy(), "a is being profiled: its claim is unknown"
+    sched.release("a", 0)
+    sched.end_profile("a", 300)
+    assert sched.roomy()
+    sched.enqueue("b")
+    assert not sched.roomy(), "b is queued"
+    assert sched.try_start("b")
+    assert not sched.roomy(), "b has no claim yet"
+    assert sched.request_persistent("b", 100) is Decision.GRANT
+    assert sched.request("b", 300, pass_start=True, profile=True) is Decision.GRANT
+    sched.release("b", 0)
+    sched.end_profile("b", 300)
+    assert sched.roomy(), "100 + 300 + 100 + 300 <= 1000"
+    assert sched.request("a", 300, pass_start=True) is Decision.GRANT
+    assert sched.request("b", 300, pass_start=True) is Decision.GRANT  # each holds its whole claim
+    sched.raise_claim("b", 600)
+    assert not sched.roomy(), "100 + 300 + 100 + 600 > 1000"
+    assert sched.request("b", 600) is Decision.WAIT
+    sched.raise_claim("b", 300)  # a claim never shrinks: still over
+    assert not sched.roomy() and sched.jobs["b"].waiting is not None
+    assert Scheduler(None).roomy()

@@ -345,6 +345,8 @@ class Memory:
         """Backward progress, from the engine: jobs still holding activations are
         about to free memory; the allocator's rule f waits for them before failing.
         It is told only when that set of jobs changes, not at every NodeGroup."""
+        if (held > 0) == (job in self._expected_releases):
+            return  # told already: most calls, a NodeGroup's, change nothing (checked again below)
         from wwrun.memory import allocator
 
         with self._releases_lock:  # the last set told is the current one

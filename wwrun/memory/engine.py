@@ -157,6 +157,7 @@ class _Pass:
     profile_held: int = 0  # while profiling: held when the latest module began
     profile_step: int = 0  # while profiling: the most one module grew above that
     offload: object = None  # wwrun.memory.offload.PassOffload: its saved tensors may go to the host
+    whole_claim: bool = False  # granted the job's whole claim at its start: its groups need no gate
 
 
 @dataclass(eq=False)
@@ -495,7 +496,7 @@ class Engine:
                 self._adopt(job, module)
         model = self._roots.get(module)
         if model is not None and job.current is None:
-            self._root_pre(model, module, args, _call_kwargs())
+            self._root_pre(job, model, args, _call_kwargs())
             return
         current = job.current  # a model called inside another is one of its nodes
         if current is None:
@@ -509,7 +510,7 @@ class Engine:
             return
         entry = self._entries.get(module)
         if entry is not None:
-            self._enter_group(*entry)
+            self._enter_group(job, *entry)
 
     def _global_post(self, module, args, output):
         if torch.compiler.is_dynamo_compiling() or libstate.tracing():
@@ -525,7 +526,7 @@ class Engine:
         if current is None:
             return
         if current.model.module is module:
-            self._root_post(current.model)
+            self._root_post(job, current.model)
         elif current.plan is None and module in current.node_names:
             self._profile_output(current, output)
 
@@ -547,10 +548,8 @@ class Engine:
         return model
 
     # ---- passes -----------------------------------------------------------------------
-    def _root_pre(self, model: _Model, module, args, kwargs) -> None:
-        job = self._job()
-        if job is None or job.current is not None:
-            return  # another thread, or a model nested in another
+    def _root_pre(self, job: _Job, model: _Model, args, kwargs) -> None:
+        """A model's forward starts in `job`'s thread with no pass of the job in progress."""
         if not torch.is_grad_enabled():
             self._end_profile(job)  # a profiled iteration (that never stepped) is over
             state = self.scheduler.jobs.get(job.name)
@@ -598,7 +597,9 @@ class Engine:
             if plan is None:
                 self._begin_profile(job, current)
             elif plan.groups:
-                self._gate(job, 0, target=self._targets(job, plan)[0], pass_start=True)
+                targets = self._targets(job, plan)
+                current.whole_claim = self._gate(job, 0, target=targets[0], pass_start=True,
+                                                 whole_claim=targets[-1] if plan.measured else None)
         except BaseException:
             self._end_pass(job, failed=True)
             raise
@@ -645,10 +646,8 @@ class Engine:
             job.reserved = kept  # it keeps nothing
             self._report_held(job)
 
-    def _root_post(self, model: _Model) -> None:
-        job = self._job()
-        if job is None or job.current is None or job.current.model is not model:
-            return
+    def _root_post(self, job: _Job, model: _Model) -> None:
+        """The forward of `job`'s pass in progress, of `model`, ended."""
         failed = sys.exc_info()[0] is not None  # always_call hooks run from an except
         self._end_pass(job, failed=failed)
 
@@ -789,18 +788,21 @@ class Engine:
                 self.scheduler.end_profile(job.name, claim, settled=False)
             self._cond.notify_all()
 
-    def _enter_group(self, model: _Model, entry: str) -> None:
-        job = self._job()
-        if job is None or job.current is None or job.current.model is not model:
-            return
+    def _enter_group(self, job: _Job, model: _Model, entry: str) -> None:
         current = job.current
+        if current.model is not model:
+            return
         index = current.plan.entry_index.get(entry) if current.plan is not None else None
         if index is None or index <= current.group:
             return
         now = time.perf_counter()
-        self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
-        self._gate(job, index, target=self._targets(job, current.plan)[index])
-        current.group, current.group_started = index, time.perf_counter()
+        if self.timeline.record_spans:
+            self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
+        target = self._targets(job, current.plan)[index]
+        if not (current.whole_claim and target <= job.reserved):  # granted already, unless backward
+            self._gate(job, index, target=target)                # of an older graph gave some back
+            now = time.perf_counter()
+        current.group, current.group_started = index, now
         if current.saved_hooks is None:
             self._push_sentinel(job, current, index)
 
@@ -813,14 +815,21 @@ class Engine:
             targets[-1] = max(targets[-1], job.claim)
         return targets
 
-    def _gate(self, job: _Job, group: int, *, target: int = 0, pass_start=False, profile=False) -> None:
+    def _gate(self, job: _Job, group: int, *, target: int = 0, pass_start=False, profile=False,
+              whole_claim: int | None = None) -> bool:
         """Wait, on the job's thread, until the scheduler lets the job hold `target`
-        activation bytes (at least what it holds already)."""
+        activation bytes (at least what it holds already). A pass start given its
+        `whole_claim` asks for all of it at once while every job's iteration fits
+        beside the others' (Scheduler.roomy: nothing is refused then), so that its
+        groups need no gate of their own; returns whether it did."""
         if not self.gating:
-            return
+            return False
         with self._lock:
             if pass_start and not profile:
                 job.reserved = 0
+            whole = whole_claim is not None and not self._stashing(job) and self.scheduler.roomy()
+            if whole:
+                target = max(target, whole_claim)
             want = self._offload_cap(job, max(job.retained, job.reserved, target))
             started = time.perf_counter()
             while True:
@@ -840,12 +849,13 @@ class Engine:
                 self._tell(job.name, "running")
             job.waiting_since = 0.0
             job.reserved = want
-            self._waited(job, f"wait g{group}", started)
+            self._waited(job, "wait g", started, group)
             self._sample(job)
             # It holds activations now, to be freed within the iteration: another job
             # the allocator cannot serve (fragmentation, a late model) may wait for them.
             for listener in self.release_listeners:
                 listener(job.name, want)
+            return whole
 
     def _persistent_admission(self, job: _Job) -> None:
         """A newly found model's persistent bytes, before its first profiled pass."""
@@ -912,11 +922,11 @@ class Engine:
             " (--max-concurrent) or a larger --memory-limit"
         )
 
-    def _waited(self, job: _Job, label: str, since: float) -> None:
+    def _waited(self, job: _Job, label: str, since: float, group: int | None = None) -> None:
         now = time.perf_counter()
         if now - since > 1e-4:
             job.wait_s += now - since
-            self.timeline.span(job.name, label, since, now)
+            self.timeline.span(job.name, label if group is None else f"{label}{group}", since, now)
 
     # ---- offload (wwrun/memory/offload.py) ---------------------------------------------
     # A job whose iteration cannot fit what it can ever have stashes the tensors its

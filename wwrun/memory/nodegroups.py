@@ -76,9 +76,19 @@ class Plan:
     groups: list[Group]
     entry_index: dict[str, int] = field(default_factory=dict)
     """Entry module name -> group index."""
+    # A group's forward figures are fixed once the plan is made (its backward's are
+    # not): what they decide is worked out once, not at every gate of every pass.
+    _measured: bool = field(default=False, init=False, repr=False)
+    _targets: tuple[int, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self):
         self.entry_index = {g.entry: i for i, g in enumerate(self.groups)}
+        self._measured = any(g.peak_bytes for g in self.groups)
+        targets, reach = [], 0
+        for group in self.groups:
+            reach = max(reach, group.peak_bytes) if self._measured else reach + group.retained_bytes
+            targets.append(reach)
+        self._targets = tuple(targets)
 
     @property
     def retained_bytes(self) -> int:
@@ -91,17 +101,13 @@ class Plan:
     @property
     def measured(self) -> bool:
         """Whether the allocator measured the pass (then targets come from it)."""
-        return any(g.peak_bytes for g in self.groups)
+        return self._measured
 
     def targets(self) -> list[int]:
         """The bytes above its pass-start memory a job may hold once it enters each
         group: the most measured up to there, or, unmeasured, the activations the
         groups so far retain."""
-        targets, reach, measured = [], 0, self.measured
-        for group in self.groups:
-            reach = max(reach, group.peak_bytes) if measured else reach + group.retained_bytes
-            targets.append(reach)
-        return targets
+        return list(self._targets)
 
     def keeps(self) -> list[int]:
         """What the job may still need once backward has gone through each group: the

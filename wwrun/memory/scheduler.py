@@ -282,6 +282,21 @@ class Scheduler:
         job.pending_profile = want.pass_start and want.profile
         return Decision.WAIT
 
+    def roomy(self) -> bool:
+        """Whether every job's whole iteration fits beside every other's at once: all
+        are admitted and sized (none queued, profiling or waiting), and their persistent
+        bytes and claims together are within the budget. Then every request within a
+        claim is granted at once, and a pass may take its whole claim at its start."""
+        if self.capacity is None:
+            return True
+        total = 0
+        for job in self.jobs.values():
+            if (not job.started or job.waiting is not None or job.claim is None
+                    or job.profiling or job.pending_profile):
+                return False
+            total += job.persistent + job.claim
+        return total <= self.capacity
+
     def release(self, name: str, held: int) -> None:
         """The job's held activation bytes are now `held` (backward freed memory)."""
         job = self.jobs.get(name)
