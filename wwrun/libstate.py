@@ -425,12 +425,14 @@ def _patch_logging_config(module) -> None:
 
 _TRACING = forksafe.RLock()
 _tracer = threading.local()
+_traced = 0  # tracer calls in progress, in any thread (one thread at a time: _TRACING)
 
 
 def tracing() -> bool:
     """Whether this thread is inside `torch.jit.trace`/`script` or `torch.export.export`
-    (the engine's hooks stay out of what they record)."""
-    return getattr(_tracer, "depth", 0) > 0
+    (the engine's hooks stay out of what they record). Asked at every module call of
+    every job: the thread's own depth is looked up only while some thread traces."""
+    return _traced > 0 and getattr(_tracer, "depth", 0) > 0
 
 
 def _one_at_a_time(function):
@@ -439,12 +441,15 @@ def _one_at_a_time(function):
 
     @functools.wraps(function)
     def locked(*args, **kwargs):
+        global _traced
         with _TRACING:
             _tracer.depth = getattr(_tracer, "depth", 0) + 1
+            _traced += 1
             try:
                 return function(*args, **kwargs)
             finally:
                 _tracer.depth -= 1
+                _traced -= 1
 
     locked.__wwrun_locked__ = True
     return locked

@@ -673,8 +673,9 @@ class Engine:
             plan = current.plan
             keep = 0  # what the job still needs once forward ends: backward and the step
             if plan is not None and plan.groups:
-                label = f"fwd {current.model.label} g{current.group}"
-                self.timeline.span(job.name, label, current.group_started, now)
+                if self.timeline.record_spans:
+                    label = f"fwd {current.model.label} g{current.group}"
+                    self.timeline.span(job.name, label, current.group_started, now)
                 # Backward hands the groups back last to first; each crossing wakes
                 # waiters and lowers what the job keeps to what the groups before need.
                 keeps = plan.keeps()
@@ -1064,10 +1065,9 @@ class Engine:
 
     # ---- measurement --------------------------------------------------------------------
     def _pack(self, job: _Job, tensor: torch.Tensor, offload=None):
-        nbytes = _nbytes(tensor)
+        key, nbytes = _storage_of(tensor)
         if nbytes == 0:
             return _kept(tensor)
-        key = _storage_key(tensor)
         if key in job.param_keys:
             return tensor
         stored = tensor if offload is None else offload.keep(tensor)
@@ -1103,7 +1103,8 @@ class Engine:
             return
 
         def pack(tensor):
-            if current.sentinel_hooks is None or _storage_key(tensor) in job.param_keys or not _nbytes(tensor):
+            key, nbytes = _storage_of(tensor)
+            if current.sentinel_hooks is None or not nbytes or key in job.param_keys:
                 return _kept(tensor)
             self._pop_sentinel(current)
             with self._lock:
@@ -1139,7 +1140,8 @@ class Engine:
                 # back from the host.
                 job.reserved = max(min(job.reserved, after), self._measure_backward(job, group))
                 now = time.perf_counter()
-                self.timeline.span(job.name, f"bwd {label} g{group}", job.last_release, now)
+                if self.timeline.record_spans:
+                    self.timeline.span(job.name, f"bwd {label} g{group}", job.last_release, now)
                 job.last_release, crossed = now, True
             if crossed or job.retained == 0:
                 self._report_held(job)
@@ -1368,6 +1370,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(_storage_key, _nbytes) from one look at the storage; (0, 0) without one."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0, 0
+    return storage.data_ptr(), storage.nbytes()
 
 
 def _tensors_of(module: torch.nn.Module):
