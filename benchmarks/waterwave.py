@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/waterwave.py --quick       # fewer steps and repeats
     PYTHONPATH=. python benchmarks/waterwave.py --device cuda # the same on a GPU
     PYTHONPATH=. python benchmarks/waterwave.py --out FILE    # the JSON there (what `wwrun doctor` passes)
+    PYTHONPATH=. python benchmarks/waterwave.py --parts de    # only (d) and (e): the engine's and threads' costs
 
 The jobs of (b), (c) and (d) are one real training script, benchmarks/train_job.py
 (an MLP on synthetic data, its own torch.Generator), run through wwrun's launcher
@@ -47,15 +48,21 @@ repeats.
     freed on another job's stream and inserts the wait itself; it has no gate, so its
     peak is recorded against the (b) budget.
 (d) the cost of one gate (an admission decision on the job's thread, µs) and the
-    engine's fixed cost per iteration (µs, on a tiny model): engine-level
-    micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
+    engine's fixed cost per iteration (µs, on a tiny model, in a memory session as
+    the launcher holds it, with the engine and without): micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
     a plain thread; and with `--policy waterwave`, the engine measuring and gating)
     against `python train_job.py`, least of the repeats; on the CPU also the cost of
     routing a job's memory through wwrun's allocator (benchmarks/allocator.py's
     training loop with torch's CPU allocator and with wwrun's).
+(e) steps bound by Python (a tiny MLP; on a GPU a small model's step is kernel
+    launches): 3 jobs as threads of one launch, `--policy concurrent` and `waterwave`
+    (under a roomy budget), and as 3 processes, against `--policy sequential`.
+    Threads take turns at the GIL at every torch call: the figure tracks what the
+    turns and the engine's hooks cost where (b)'s compute, which runs without the
+    GIL, hides it.
 
 Every figure says which allocator it measured: the JSON's `allocator` is the one
-every wwrun run of (a)-(d) got (`wwrun.memory.allocator.in_use`, as the run's report
+every wwrun run of (a)-(e) got (`wwrun.memory.allocator.in_use`, as the run's report
 names it), and `allocators` names each mode's. A wwrun run on any other allocator
 than wwrun's stops the benchmark with an error: on CUDA, wwrun's allocator is
 installed before the first CUDA tensor of this process, or every later launch would
@@ -144,7 +151,7 @@ def train(width: int, batch: int, steps: int, seed: int) -> float:
 
 def run_threads(jobs: list[dict], session=None) -> tuple[float, dict]:
     """Run jobs as threads, each inside `session(name)` (a context manager: a
-    Memory's session, as the launcher runs a job, or engine_session); (wall seconds,
+    Memory's session, as the launcher runs a job); (wall seconds,
     name -> error or None)."""
     errors: dict[str, BaseException | None] = {}
 
@@ -168,21 +175,6 @@ def run_threads(jobs: list[dict], session=None) -> tuple[float, dict]:
     for t in threads:
         t.join()
     return time.perf_counter() - start, errors
-
-
-def engine_session(engine: Engine):
-    """A job between the engine's job_started and job_finished, with no allocator
-    (what the engine alone costs)."""
-
-    @contextlib.contextmanager
-    def session(name):
-        engine.job_started(name)
-        try:
-            yield
-        finally:
-            engine.job_finished(name)
-
-    return session
 
 
 def trains(jobs: list[dict], capacity: int, policy: str) -> bool:
@@ -346,34 +338,7 @@ def processes(jobs: list[list[str]]) -> float:
     return makespan([loop_span(out) for out in outputs])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", help="write the JSON here (default: full runs to "
-                        "benchmarks/results/waterwave-<device>.json, --quick runs nowhere)")
-    args = parser.parse_args()
-    global DEVICE
-    DEVICE = args.device
-    if DEVICE == "cuda":
-        # Before any CUDA work in this process (the warm-up below is the first):
-        # the launches find it installed instead of falling back to PyTorch's.
-        allocator.install()
-    torch.set_num_threads(1)
-    repeats, steps = (2, 20) if args.quick else (5, 60)
-    train(width=8, batch=2, steps=2, seed=0)  # one-time imports and warm-up
-    width = 128
-    cores = os.cpu_count()
-    command = "python benchmarks/waterwave.py" + (f" --device {DEVICE}" if DEVICE != "cpu" else "") + (" --quick" if args.quick else "")
-    result: dict = {"device": DEVICE, "device_name": device_name(), "cpu_cores": cores, "threads_per_job": 1,
-                    "torch": torch.__version__, "command": command, "quick": args.quick,
-                    "load_average_at_start": round(os.getloadavg()[0], 2),  # others' work on shared cores
-                    # What each mode ran on: wwrun's runs are checked as they end.
-                    "allocator": WWRUN, "allocators": {"waterwave": WWRUN, "sequential": WWRUN,
-                                                       "processes": "native"}}
-    print(f"{DEVICE} ({result['device_name']}), {cores} CPU cores, one intra-op thread per job "
-          f"(OMP_NUM_THREADS=1), torch {torch.__version__}, load average {result['load_average_at_start']}")
-
+def part_a(result: dict, width: int) -> None:
     # (a) largest batch, solo and shared: engine-level (threads between job_started and
     # job_finished, as the launcher calls them), as a bisection needs many short runs.
     # Both budgets are 256 of the allocator's pages (512 KiB on the host, the driver's
@@ -393,6 +358,8 @@ def main() -> None:
     result["a_solo_max_batch"] = solo
     result["a_batch_fraction"] = fractions
 
+
+def part_bc(result: dict, width: int, repeats: int, steps: int) -> None:
     # (b) oversubscription: 3 jobs whose summed peaks are ~1.5x the budget.
     batch, steps_b = 24576, max(10, steps // 3)
     _, alone, peak = launched([job_args(width, batch, 3, 0)], "waterwave")
@@ -465,6 +432,8 @@ def main() -> None:
               f"{max(async_peaks) / capacity_b:.2f}x the (b) budget (no gate); waterwave under the "
               f"budget {driver / ww:.2f}x, without oversubscription {driver / roomy:.2f}x its speed")
 
+
+def part_d(result: dict, repeats: int, steps: int) -> None:
     # (d) one gate, and a single job's overhead: `wwrun train_job.py` (one job: plain
     # thread, and --policy waterwave) against `python train_job.py`, on the training
     # loop's time; a small iteration (a few ms: fixed costs per gate and per saved
@@ -502,18 +471,104 @@ def main() -> None:
         print(f"(d) routing a job's CPU memory through the allocator: {routing * 100:+.2f}% on a "
               f"training loop (benchmarks/allocator.py's, one thread)")
     # The engine's fixed cost per iteration, on a model so small that its compute
-    # hardly counts (7 modules, 4 NodeGroups, 7 saved tensors): robust to noise.
+    # hardly counts (7 modules, 4 NodeGroups): a job in a memory session of the
+    # launcher's (the allocator measuring, a roomy budget), with the engine
+    # (waterwave) and without (concurrent). Interleaved, least of three each.
     tiny = [dict(width=16, batch=4, steps=2000, seed=0)]
-    costs = {}
-    for policy in (None, "concurrent", "waterwave"):
-        runs = [run_threads(tiny, engine_session(Engine(1 << 34, policy)) if policy else None)[0]
-                for _ in range(3)]
-        costs[policy] = min(runs) / 2000 * 1e6
-    result["d_measuring_us_per_iteration"] = round(costs["concurrent"] - costs[None], 1)
-    result["d_gating_us_per_iteration"] = round(costs["waterwave"] - costs["concurrent"], 1)
-    print(f"(d) engine's fixed cost per iteration: {costs['concurrent'] - costs[None]:.0f} µs measuring memory"
-          f" (saved-tensor hooks), {costs['waterwave'] - costs['concurrent']:.0f} µs gating 4 NodeGroups")
-    out = args.out or (None if args.quick else os.path.join(RESULTS, f"waterwave-{DEVICE}.json"))
+    costs: dict[str, list[float]] = {"concurrent": [], "waterwave": []}
+    for _ in range(3):
+        for policy, runs in costs.items():
+            drop_idle_reserve()
+            memory = Memory(DEVICE, with_stream_workspaces(256 * 2**20, 1, DEVICE), policy)
+            try:
+                measured_on(memory.allocator, WWRUN, f"(d) {policy}")
+                runs.append(run_threads(tiny, memory.session)[0] / 2000 * 1e6)
+            finally:
+                memory.close()
+    result["d_iteration_us_tiny"] = round(min(costs["concurrent"]), 1)
+    result["d_engine_us_per_iteration"] = round(min(costs["waterwave"]) - min(costs["concurrent"]), 1)
+    print(f"(d) engine's fixed cost per iteration: {result['d_engine_us_per_iteration']:.0f} µs on a "
+          f"{result['d_iteration_us_tiny']:.0f} µs iteration (7 modules, 4 NodeGroups: hooks, gates, "
+          f"backward's progress)")
+
+
+def part_e(result: dict, repeats: int, steps: int) -> None:
+    # (e) steps bound by Python: a tiny MLP (a few hundred µs a step, nearly all of
+    # it the interpreter and torch's dispatch), the regime of a small model on a GPU,
+    # whose step is kernel launches. Threads of one process take turns at the GIL at
+    # every torch call, so side by side they cannot beat one after another; what the
+    # figures show is what the turns and the engine cost (the CPU (b) hides it: its
+    # compute runs without the GIL).
+    steps_e = steps * 15
+    tiny_jobs = [job_args(16, 8, steps_e, seed) for seed in range(3)]
+    budget_e = with_stream_workspaces(64 * 2**20, 3, DEVICE)
+    modes_e = {
+        "sequential": lambda: back_to_back(launched(tiny_jobs, "sequential")[0]),
+        "concurrent": lambda: makespan(launched(tiny_jobs, "concurrent")[0]),
+        "waterwave": lambda: makespan(launched(tiny_jobs, "waterwave", budget_e)[0]),
+        "processes": lambda: processes(tiny_jobs),
+    }
+    times_e = {mode: [] for mode in modes_e}
+    for _ in range(min(repeats, 3)):  # four launches of three jobs a repeat
+        for mode, run in modes_e.items():
+            times_e[mode].append(run())
+    seconds_e = {mode: statistics.median(v) for mode, v in times_e.items()}
+    result["e_steps"] = steps_e
+    result["e_step_us_sequential"] = round(seconds_e["sequential"] / (3 * steps_e) * 1e6, 1)
+    result["e_seconds"] = {mode: round(v, 3) for mode, v in seconds_e.items()}
+    for mode in ("concurrent", "waterwave", "processes"):
+        result[f"e_{mode}_vs_sequential"] = round(seconds_e["sequential"] / seconds_e[mode], 3)
+    print(f"(e) steps bound by Python, 3 jobs x {steps_e} steps of {result['e_step_us_sequential']:.0f} µs: "
+          f"vs --policy sequential, --policy concurrent {result['e_concurrent_vs_sequential']:.2f}x, "
+          f"waterwave {result['e_waterwave_vs_sequential']:.2f}x (under {budget_e >> 20} MiB), "
+          f"3 python processes {result['e_processes_vs_sequential']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", help="write the JSON here (default: full runs of every part to "
+                        "benchmarks/results/waterwave-<device>.json, others nowhere)")
+    parser.add_argument("--parts", default="abcde", help="which parts to run (default abcde; "
+                        "b and c run together): e.g. --parts de")
+    args = parser.parse_args()
+    parts = set(args.parts)
+    if not parts or not parts <= set("abcde"):
+        parser.error(f"--parts takes letters of abcde, got {args.parts!r}")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        # Before any CUDA work in this process (the warm-up below is the first):
+        # the launches find it installed instead of falling back to PyTorch's.
+        allocator.install()
+    torch.set_num_threads(1)
+    repeats, steps = (2, 20) if args.quick else (5, 60)
+    train(width=8, batch=2, steps=2, seed=0)  # one-time imports and warm-up
+    width = 128
+    cores = os.cpu_count()
+    command = " ".join(["python benchmarks/waterwave.py", *(["--device", DEVICE] if DEVICE != "cpu" else []),
+                        *(["--quick"] if args.quick else []), *(["--parts", args.parts] if parts != set("abcde") else [])])
+    result: dict = {"device": DEVICE, "device_name": device_name(), "cpu_cores": cores, "threads_per_job": 1,
+                    "torch": torch.__version__, "command": command, "quick": args.quick,
+                    "load_average_at_start": round(os.getloadavg()[0], 2),  # others' work on shared cores
+                    # What each mode ran on: wwrun's runs are checked as they end.
+                    "allocator": WWRUN, "allocators": {"waterwave": WWRUN, "sequential": WWRUN,
+                                                       "processes": "native"}}
+    print(f"{DEVICE} ({result['device_name']}), {cores} CPU cores, one intra-op thread per job "
+          f"(OMP_NUM_THREADS=1), torch {torch.__version__}, load average {result['load_average_at_start']}")
+
+    if "a" in parts:
+        part_a(result, width)
+    if parts & {"b", "c"}:
+        part_bc(result, width, repeats, steps)
+    if "d" in parts:
+        part_d(result, repeats, steps)
+    if "e" in parts:
+        part_e(result, repeats, steps)
+
+    whole = not args.quick and parts == set("abcde")
+    out = args.out or (os.path.join(RESULTS, f"waterwave-{DEVICE}.json") if whole else None)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:

@@ -140,3 +140,14 @@ def test_waterwave_part_a_plans_for_every_job_at_once():
         "waterwave.trains(jobs, 32 << 20, 'waterwave')\n"
         "print(json.dumps({'seen': seen, 'baseline': waterwave.drop_idle_reserve()}))")
     assert seen == {"seen": [3], "baseline": 0}  # on the CPU the allocator starts afresh for each run
+
+
+def test_waterwave_parts_takes_only_letters_of_its_parts():
+    """`benchmarks/waterwave.py --parts de` runs (d) and (e) alone; anything else is
+    refused before a run starts, in one line."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "waterwave.py"), "--parts", "dx"],
+                          capture_output=True, text=True, timeout=300, cwd=CHECKOUT,
+                          env=dict(os.environ, PYTHONPATH=str(CHECKOUT)))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--parts takes letters of abcde, got 'dx'" in done.stderr
+    assert "(a) budget" not in done.stdout
