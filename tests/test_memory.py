@@ -129,6 +129,20 @@ def test_a_job_that_allocates_until_the_machine_refuses_ends_alone(tmp_path):
     assert re.search(r"^\[calm\] threads \d+ done$", done.stdout, re.M)
 
 
+def test_a_job_past_the_memory_limit_on_the_cpu_is_told_the_limit_is_reached(tmp_path):
+    """On the CPU the run's limit is the allocator's reserved limit, as on a GPU: a job
+    that would pass it is told so, with the limit, not that the device gave no more
+    pages (the CPU allocator once held the limit only as its backend's capacity)."""
+    script = tmp_path / "greedy.py"
+    script.write_text("import torch\nheld = [torch.ones(6 << 20, dtype=torch.uint8) for _ in range(8)]\n")
+    report, _ = _wwrun_measured(tmp_path, "--memory-limit", "32MiB", str(script))
+    [job] = report["jobs"]
+    assert job["state"] == "failed", job
+    assert "OutOfMemoryError" in job["error"], job
+    assert "the device memory limit of 32.00 MiB is reached" in job["error"], job["error"]
+    assert "gave no more pages" not in job["error"]
+
+
 def test_without_a_limit_the_cpu_allocator_keeps_room_for_what_is_not_torch_s():
     available = host_capacity()
     assert 0 < available

@@ -32,10 +32,15 @@ namespace {
 
 // A backend and an allocator on it. Never destroyed: tensors allocated while it
 // was installed may outlive the run and still free through it.
+// The capacity is also the allocator's reserved limit, as the run's limit is on a
+// GPU (set_per_process_memory_fraction): the policy and its out-of-memory message
+// meet the limit where CUDA's do ("the device memory limit of ... is reached"), not
+// the backend running out of pages.
 struct Core {
-  Core(std::size_t capacity) : backend(capacity), allocator(backend, options()) {}
-  static Options options() {
+  Core(std::size_t capacity) : backend(capacity), allocator(backend, options(capacity)) {}
+  static Options options(std::size_t capacity) {
     Options o;
+    o.reserved_limit = capacity;
     o.wait_hooks = python_wait_hooks();
     return o;
   }
