@@ -49,9 +49,10 @@ repeats.
     peak is recorded against the (b) budget.
 (d) the cost of one gate (an admission decision on the job's thread, µs) and the
     engine's fixed cost per iteration (µs, on a tiny model, in a memory session as
-    the launcher holds it, with the engine and without): micro-measurements; and a single job's overhead, `wwrun train_job.py` (one job:
-    a plain thread; and with `--policy waterwave`, the engine measuring and gating)
-    against `python train_job.py`, least of the repeats; on the CPU also the cost of
+    the launcher holds it, with the engine and without): micro-measurements; and a
+    single job's overhead, `wwrun train_job.py` (one job: a plain thread; and with
+    `--policy waterwave`, the engine measuring and gating) against
+    `python train_job.py`, least of the repeats; on the CPU also the cost of
     routing a job's memory through wwrun's allocator (benchmarks/allocator.py's
     training loop with torch's CPU allocator and with wwrun's).
 (e) steps bound by Python (a tiny MLP; on a GPU a small model's step is kernel

@@ -801,8 +801,8 @@ def measure_headroom(device=None, threads: int = HEADROOM_PROBE_THREADS) -> Head
     allocator (free memory before and after warm-ups of the calling thread, then
     of `threads` new threads at once: cuBLAS, cuBLASLt, cuDNN and a Triton kernel)
     and the cuBLAS workspaces a stream holds inside it. torch's workspaces are
-    dropped afterwards (no job runs yet; what they held stays in the allocator's
-    cache). Call it before jobs start, as device_capacity does; later calls
+    dropped afterwards unless a job runs (drop_idle_workspaces; what they held
+    stays in the allocator's cache). Call it before jobs start, as device_capacity does; later calls
     return the first measurement. For `wwrun doctor` too."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive count, got {threads!r}")
@@ -815,10 +815,7 @@ def measure_headroom(device=None, threads: int = HEADROOM_PROBE_THREADS) -> Head
         process, triton = _outside_allocator(index, lambda: _warm_up_libraries(index))
         allocated_after, _ = _allocator_bytes(index)  # its tensors are gone: the workspaces stay
         in_threads, _ = _outside_allocator(index, lambda: _warm_up_in_threads(index, threads))
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:  # the probes' workspaces would serve no job
-            torch.cuda.synchronize(index)
-            clear()
+        drop_idle_workspaces(index)  # the probes' workspaces would serve no job
         _headrooms[index] = Headroom(
             process_bytes=process,
             per_thread_bytes=in_threads // threads,
