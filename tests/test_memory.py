@@ -295,6 +295,40 @@ print(json.dumps({"alone": alone["a"], "two": two, "footprint": sizes["a"],
         assert gates == (1 if whole else 4), seen["two"]  # else the pass start and 3 group entries
 
 
+def test_the_plan_of_a_job_whose_step_runs_several_passes_covers_each_pass():
+    """LBFGS runs its passes inside one step and its history grows between them, after
+    each pass's peak: from the second pass on, what the scheduler holds for the job as
+    a pass starts (persistent bytes and claim) covers what the pass before held at its
+    peak. The claim once fell 1 MiB short there, taking the history grown after the
+    peak for memory the peak had held, and an LBFGS job beside others was lost."""
+    code = r"""
+import json, runpy, sys, threading, torch
+import wwrun.memory.engine as engine_module
+from wwrun.memory import Memory
+
+torch.set_num_threads(1)
+memory = Memory("cpu", 256 << 20, "waterwave", jobs_at_once=2)
+seen, begins = [], engine_module.Engine._iteration_begins
+def iteration_begins(self, job):
+    peak = max(job.iter_peak, job.meter(False)[1]) if job.baseline is not None else None
+    begins(self, job)
+    state = self.scheduler.jobs[job.name]
+    seen.append((peak, state.persistent + (state.claim or 0)))
+engine_module.Engine._iteration_begins = iteration_begins
+def job():
+    with memory.session("lbfgs"):
+        sys.argv = ["steps_by_closure_or_hand.py", "lbfgs", "--steps", "2"]
+        runpy.run_path(SCRIPT, run_name="__main__")
+thread = threading.Thread(target=job); thread.start(); thread.join()
+memory.close()
+print(json.dumps(seen))
+""".replace("SCRIPT", repr(str(SCRIPTS / "steps_by_closure_or_hand.py")))
+    seen = _child_figures(code)
+    assert len(seen) >= 6  # two steps of up to five passes each
+    for peak, planned in seen[2:]:  # from the third pass on: the second is over
+        assert planned >= peak, seen
+
+
 def test_backward_keeps_the_gradients_in_flight_it_measured():
     """Backward holds more than the forward targets of the groups it has yet to go
     through (each group's gradients in flight come on top of what it saved): the

@@ -187,6 +187,7 @@ class _Job:
     wait_s: float = 0.0
     iterations: int = 0
     passes: int = 0
+    window_stepped: bool = False  # an optimizer step ended since the latest pass started
     profiles: int = 0
     failed: str | None = None
     no_room: bool = False  # failed for want of room beside the others, not alone
@@ -1221,6 +1222,7 @@ class Engine:
         if job is None:
             return
         job.iterations += 1
+        job.window_stepped = True
         after_step = 0
         if job.meter is not None:
             after_step, step_peak = job.meter(True)
@@ -1306,28 +1308,37 @@ class Engine:
 
     def _iteration_begins(self, job: _Job) -> None:
         """A pass starts with nothing saved for backward: the previous iteration's
-        peak becomes the job's claim, and what it holds now its persistent bytes."""
+        peak becomes the job's claim, and what it holds now its persistent bytes.
+
+        What a step left (optimizer state, gradients) stays from then on: the peak
+        counts above it. Without a step since the last pass started (LBFGS's passes
+        within its step, weights updated by hand) what grew meanwhile came after the
+        peak (LBFGS's history) and the next pass starts on top of it: the peak counts
+        above the last pass's start, or the claim falls short by that growth."""
         if job.meter is None or job.retained:
             return
         now = self._read(job, restart=True)
         with self._lock:
             if job.baseline is not None:
-                job.claim = max(job.claim, self._above(job, job.iter_peak, now))
+                stays = now if job.window_stepped else 0
+                job.claim = max(job.claim, self._above(job, job.iter_peak, stays))
                 if job.name in self.scheduler.jobs and self.scheduler.jobs[job.name].claim is not None:
                     self.scheduler.raise_claim(job.name, job.claim)
             self._note_unstashed_claim(job, now, restart=True)  # and the new iteration's starts
             job.baseline = job.iter_peak = now
+            job.window_stepped = False
             if now > job.persistent_peak:
                 job.persistent_peak = now
-                if job.iterations and job.name in self.scheduler.jobs:
+                if job.name in self.scheduler.jobs:
                     job.persistent_reserved = max(job.persistent_reserved, now)
                     self.scheduler.set_persistent(job.name, job.persistent_reserved)
 
     @staticmethod
     def _above(job: _Job, peak: int, now: int) -> int:
-        """The most held over what stays: above the iteration's start, its end or the
-        job's persistent bytes, whichever is more (its first iteration creates
-        optimizer state and gradients, persistent bytes, not the claim)."""
+        """The most held over what stays: above the iteration's start, its end (`now`;
+        0 where what grew by then came after the peak) or the job's persistent bytes,
+        whichever is more (its first iteration creates optimizer state and gradients,
+        persistent bytes, not the claim)."""
         return max(0, peak - max(job.baseline, now, job.persistent_peak))
 
     def _held_now(self, job: _Job) -> int:
