@@ -100,6 +100,28 @@ def test_two_jobs_that_each_fit_alone_both_finish_under_a_limit_that_holds_one(t
     assert all(j["peak_memory_bytes"] > 16 * MiB for j in report["jobs"])  # more than half each
 
 
+def test_several_passes_a_step_and_updates_by_hand_take_turns_and_train_as_alone(tmp_path):
+    """Two patterns of real scripts: LBFGS, whose step runs up to 5 forward and
+    backward passes and whose history grows after the first step, and weights
+    updated by hand with no optimizer. Two of each under a limit that holds about two
+    of them: all finish within it with the losses they print alone, and each reports
+    3 iterations (LBFGS's optimizer steps; the passes of the one with no optimizer)."""
+    script = str(SCRIPTS / "steps_by_closure_or_hand.py")
+    alone = {kind: _wwrun_measured(tmp_path, script, kind)[0] for kind in ("lbfgs", "by_hand")}
+    peaks = {kind: report["jobs"][0]["peak_memory_bytes"] for kind, report in alone.items()}
+    limit = 2 * max(peaks.values())
+    assert 2 * sum(peaks.values()) > 1.4 * limit  # so they must take turns
+    kinds = ["lbfgs", "lbfgs", "by_hand", "by_hand"]
+    argv = [arg for kind in kinds for arg in (":", script, kind)][1:]
+    report, _ = _wwrun_measured(tmp_path, "--memory-limit", str(limit), *argv)
+    assert [job["state"] for job in report["jobs"]] == ["succeeded"] * 4, [j["error"] for j in report["jobs"]]
+    assert report["run"]["peak_reserved_bytes"] <= limit
+    assert sum(job["wait_s"] for job in report["jobs"]) > 0
+    for kind, job in zip(kinds, report["jobs"]):
+        assert _stdout(report, job) == _stdout(alone[kind], alone[kind]["jobs"][0])
+        assert job["iterations"] == 3
+
+
 def test_a_job_that_allocates_until_the_machine_refuses_ends_alone(tmp_path):
     """Under an address-space limit, one job takes all it can while the other then
     starts OpenMP's threads (its first parallel region). Without wwrun's CPU

@@ -185,8 +185,10 @@ class _Job:
     last_release: float = 0.0
     peak: int = 0
     wait_s: float = 0.0
-    iterations: int = 0
+    iterations: int = 0  # optimizer steps
     passes: int = 0
+    trained_passes: int = 0  # training passes whose forward ended: a job's iterations without an optimizer
+    stepped: bool = False  # an optimizer step began
     window_stepped: bool = False  # an optimizer step ended since the latest pass started
     profiles: int = 0
     failed: str | None = None
@@ -415,7 +417,7 @@ class Engine:
             "peak_memory_bytes": job.peak,
             "wait_s": round(job.wait_s, 6),
             "queued_s": round(job.queued_s, 6),
-            "iterations": job.iterations,
+            "iterations": job.iterations if job.stepped else job.trained_passes,
             "nodegroups": groups,
             **self._offload_report(name),
         }
@@ -671,6 +673,7 @@ class Engine:
             elif current.plan is None:
                 self.scheduler.abort_profile(job.name)
             self.scheduler.add_service(job.name, now - current.began)
+            job.trained_passes += not failed
             plan = current.plan
             keep = 0  # what the job still needs once forward ends: backward and the step
             if plan is not None and plan.groups:
@@ -1185,6 +1188,7 @@ class Engine:
         job = self._job()
         if job is None:
             return
+        job.stepped = True
         if job.meter is not None:
             now = self._read(job, restart=True)  # the step's own window starts
             if job.baseline is not None:
