@@ -254,15 +254,19 @@ print(out["j"][0], plain[0], out["j"][1] == plain[1])
 def test_a_pass_whose_whole_claim_fits_beside_the_others_is_gated_once_not_per_group():
     """While every job's whole iteration fits beside the others' (Scheduler.roomy), a
     measured pass takes its whole claim at its start, and its NodeGroups need no
-    gate of their own: a gate is a lock, a scheduler decision and a listener call on
-    the job's thread, each a GIL hand-over among jobs. Two jobs whose iterations do
-    not fit together are gated group by group. Losses stay python's."""
+    gate of their own, nor a stand-in to follow backward but the first group's (its
+    claim goes back as backward ends): a gate is a lock, a scheduler decision and a
+    listener call on the job's thread, a stand-in a hook and its release, each a GIL
+    hand-over among jobs. Two jobs whose iterations do not fit together are gated,
+    and followed, group by group. Losses stay python's."""
     code = r"""
 import json, threading, torch
 from torch import nn
+import wwrun.memory.engine as engine_module
 from wwrun.memory import Memory
 
 torch.set_num_threads(1)
+SAVED = engine_module._Saved
 
 def run(after_first=lambda: None):
     g = torch.Generator().manual_seed(0)
@@ -279,14 +283,20 @@ def run(after_first=lambda: None):
     return losses
 
 def passes(limit, jobs):
-    # Per job, its passes: [whether its start took the whole claim, gates in the pass].
+    # Per job, its passes: [whether its start took the whole claim, gates, stand-ins].
     memory = Memory("cpu", limit, "waterwave", nodegroups=4)
     engine, seen, sizes = memory.engine, {name: [] for name in jobs}, {}
+    class Counted(SAVED):
+        __slots__ = ()
+        def __init__(self, *args):
+            seen[args[2].name][-1][2] += 1  # (tensor, engine, job, key, planned)
+            super().__init__(*args)
+    engine_module._Saved = Counted
     gate = engine._gate
     def counting(job, group, **kwargs):
         whole = gate(job, group, **kwargs)
         if kwargs.get("pass_start"):
-            seen[job.name].append([whole, 0])
+            seen[job.name].append([whole, 0, 0])
         seen[job.name][-1][1] += 1
         sizes[job.name] = engine.scheduler.jobs[job.name].footprint
         return whole
@@ -309,12 +319,13 @@ print(json.dumps({"alone": alone["a"], "two": two, "footprint": sizes["a"],
 """
     seen = _child_figures(code)
     assert seen["same"], seen
-    # Passes 3-5: profiled and settled, alone in 256 MiB: one gate per pass.
-    assert all(whole and gates == 1 for whole, gates in seen["alone"][2:]), seen["alone"]
+    # Passes 3-5: profiled and settled, alone in 256 MiB: one gate and one stand-in per pass.
+    assert all(whole and gates == stand_ins == 1 for whole, gates, stand_ins in seen["alone"][2:]), seen
     later = [p for job in seen["two"].values() for p in job[1:]]
-    assert any(not whole for whole, _ in later), seen["two"]  # both ran at once after settling
-    for whole, gates in later:
-        assert gates == (1 if whole else 4), seen["two"]  # else the pass start and 3 group entries
+    assert any(not whole for whole, _, _ in later), seen["two"]  # both ran at once after settling
+    for whole, gates, stand_ins in later:
+        # Else the pass start and 3 group entries, and a stand-in for each group.
+        assert gates == stand_ins == (1 if whole else 4), seen["two"]
 
 
 def test_the_plan_of_a_job_whose_step_runs_several_passes_covers_each_pass():

@@ -804,11 +804,15 @@ class Engine:
         if self.timeline.record_spans:
             self.timeline.span(job.name, f"fwd {model.label} g{current.group}", current.group_started, now)
         target = self._targets(job, current.plan)[index]
-        if not (current.whole_claim and target <= job.reserved):  # granted already, unless backward
-            self._gate(job, index, target=target)                # of an older graph gave some back
+        covered = current.whole_claim and target <= job.reserved  # granted already, unless backward
+        if not covered:                                            # of an older graph gave some back
+            self._gate(job, index, target=target)
             now = time.perf_counter()
         current.group, current.group_started = index, now
-        if current.saved_hooks is None:
+        if current.saved_hooks is None and not covered:
+            # Under a whole claim the first group's stand-in alone follows backward: it
+            # dies as backward ends, and the claim goes back then (no one waits for a
+            # group's share sooner while every iteration fits).
             self._push_sentinel(job, current, index)
 
     # ---- admission ----------------------------------------------------------------------
