@@ -187,8 +187,7 @@ class _Job:
     wait_s: float = 0.0
     iterations: int = 0  # optimizer steps
     passes: int = 0
-    trained_passes: int = 0  # training passes whose forward ended: a job's iterations without an optimizer
-    stepped: bool = False  # an optimizer step began
+    trained_passes: int = 0  # training passes whose forward ended: its iterations while it takes no step
     window_stepped: bool = False  # an optimizer step ended since the latest pass started
     profiles: int = 0
     failed: str | None = None
@@ -417,7 +416,7 @@ class Engine:
             "peak_memory_bytes": job.peak,
             "wait_s": round(job.wait_s, 6),
             "queued_s": round(job.queued_s, 6),
-            "iterations": job.iterations if job.stepped else job.trained_passes,
+            "iterations": job.iterations or job.trained_passes,
             "nodegroups": groups,
             **self._offload_report(name),
         }
@@ -1192,7 +1191,6 @@ class Engine:
         job = self._job()
         if job is None:
             return
-        job.stepped = True
         if job.meter is not None:
             now = self._read(job, restart=True)  # the step's own window starts
             if job.baseline is not None:
@@ -1381,10 +1379,7 @@ def _unpack(saved):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     """Bytes of the tensor's storage; 0 for tensors without one (sparse, nested, meta)."""
-    try:
-        return tensor.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
+    return _storage_of(tensor)[1]
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
