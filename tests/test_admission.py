@@ -10,6 +10,10 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +155,43 @@ def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path)
     result = _launch(_jobs(job, job, job), tmp_path, memory_limit=100 * MiB)
     _all_finish_within(result, 100 * MiB)
     assert all(job.extra["peak_memory_bytes"] > 60 * MiB for job in result.jobs)  # two would not fit
+
+
+def test_jobs_set_up_side_by_side_and_wait_for_memory_only_at_their_first_tensor(tmp_path):
+    """Each script's setup (here: waiting until every job has reached it) runs
+    before the job is admitted, beside the others: a job waits for memory only at
+    its first device allocation. Admitted before their scripts ran, the jobs after
+    the first would wait for the first job's step, which waits for them."""
+    met = tmp_path / "met"
+    met.mkdir()
+    script = str(SCRIPTS / "meets_before_training.py")
+    jobs = [(script, [str(met), "3", f"job{i}"]) for i in range(3)]
+    result = _launch(_jobs(*jobs), tmp_path, memory_limit=64 * MiB)
+    _all_finish_within(result, 64 * MiB)
+    assert len({(Path(job.log_dir) / "stdout.log").read_text() for job in result.jobs}) == 1  # as alone
+
+
+def test_ctrl_c_reaches_a_job_waiting_at_its_first_tensor_as_under_python(tmp_path):
+    """A job waiting for admission at its first allocation (here behind a job that
+    never takes a step) gets Ctrl-C as a KeyboardInterrupt raised by that
+    allocation, where its own `except` sees it, and the run ends at once."""
+    events = tmp_path / "events.jsonl"
+
+    def interrupt_once_queued():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = events.read_text().splitlines() if events.exists() else []
+            if any(json.loads(line)["job"] == "job1" and json.loads(line)["state"] == "queued" for line in lines):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=interrupt_once_queued, daemon=True).start()
+    script = str(SCRIPTS / "first_tensor.py")
+    result = _launch(_jobs((script, ["hold", str(tmp_path)]), (script, ["guarded", str(tmp_path)])), tmp_path,
+                     memory_limit=64 * MiB, events=str(events), grace_period_s=10)
+    holder, guarded = result.jobs
+    assert [(job.state.value, job.exit_code) for job in result.jobs] == [("interrupted", 130)] * 2, \
+        [job.error for job in result.jobs]
+    assert (Path(guarded.log_dir) / "stdout.log").read_text() == "KeyboardInterrupt at the first tensor\n"
+    assert result.exit_code == 130

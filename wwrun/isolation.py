@@ -645,6 +645,13 @@ def _interrupt_when_out(thread_id: int, exc, job: JobContext | None) -> None:
         time.sleep(0.02)
 
 
+def in_shared_lock() -> bool:
+    """Whether the calling thread runs code that holds a lock every job takes (an
+    import, logging, tqdm, `Thread.start`: `_in_lock_code`): it must not wait there
+    for the other jobs."""
+    return _in_lock_code(threading.get_ident())
+
+
 def _in_lock_code(thread_id: int) -> bool:
     """The thread runs an import (importlib's code, or wwrun's first-import lock),
     logging's code, or `Thread.start`: until the new thread runs, its state carries

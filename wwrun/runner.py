@@ -155,6 +155,7 @@ class Runner:
             nodegroups=config.nodegroups, queue=config.queue, trace=bool(config.trace or config.memory_plot),
             note=self.display.note, current_job=lambda: getattr(isolation.current_job(), "name", None),
             jobs_at_once=self.concurrency, offload=config.offload, offload_limit=config.offload_limit,
+            in_shared_lock=isolation.in_shared_lock,
         )
         if self.memory.allocator != "waterwave":
             try:

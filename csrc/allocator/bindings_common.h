@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "admission_gate.h"
 #include "waterwave_allocator.h"
 
 namespace wwrun::alloc {
@@ -118,6 +119,15 @@ inline std::vector<void*> as_pointers(const std::vector<std::uintptr_t>& address
 
 // OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native
 // allocator's error catches ours too.
+// The admission gate's Python face (Note [Admission at the first allocation]).
+inline void register_admission(py::module_& m) {
+  m.def("close_admission", &close_admission);
+  m.def("open_admission", &open_admission);
+  m.def("set_admission_callback", [](py::object callback) {
+    set_admission_callback(callback.is_none() ? nullptr : callback.ptr());
+  });
+}
+
 inline void register_out_of_memory(py::module_& m) {
   // Module-local, and torch's class looked up when raised (translators run with the
   // GIL): a static here is one object shared by every wwrun extension of the

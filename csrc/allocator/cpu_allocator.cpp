@@ -66,6 +66,7 @@ class WaterwaveCPUAllocator final : public c10::Allocator {
       return previous_allocator->allocate(bytes);
     }
     if (bytes == 0) return {nullptr, nullptr, &delete_ptr, where};
+    await_admission();
     void* ptr = nullptr;
     try {
       ptr = core->allocator.allocate(bytes, thread_stream).ptr;
@@ -163,6 +164,7 @@ using wwrun::alloc::StreamId;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   wwrun::alloc::register_out_of_memory(m);
+  wwrun::alloc::register_admission(m);
   m.def("install", &cpu::install);
   m.def("uninstall", &cpu::uninstall);
   m.def("installed", [] { return cpu::current_core.load() != nullptr; });

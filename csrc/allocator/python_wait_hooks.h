@@ -13,6 +13,7 @@
 
 #include <string>
 
+#include "admission_gate.h"
 #include "wait_release.h"
 #include "waterwave_allocator.h"
 
@@ -24,8 +25,14 @@ inline std::string& job_thread_mark() {
   return job;
 }
 
-inline void mark_job_thread(const std::string& job) { job_thread_mark() = job; }
-inline void unmark_job_thread() { job_thread_mark().clear(); }
+inline void mark_job_thread(const std::string& job) {
+  job_thread_mark() = job;
+  bind_admission_gate(job);  // Note [Admission at the first allocation]
+}
+inline void unmark_job_thread() {
+  job_thread_mark().clear();
+  bind_admission_gate("");
+}
 inline bool is_job_thread() { return !job_thread_mark().empty(); }
 
 // A lock the thread holds for another part of wwrun (wait_release.h: the per-job

@@ -124,6 +124,7 @@ class WaterwaveCUDAAllocator final : public c10alloc::CUDAAllocator {
   }
 
   void* allocate_on(DeviceIndex device, std::size_t bytes, cudaStream_t stream) {
+    await_admission();
     try {
       return core(device).allocate(bytes, reinterpret_cast<StreamId>(stream)).ptr;
     } catch (const OutOfMemory& oom) {

@@ -11,7 +11,8 @@
 The launcher makes one `Memory` per run and, in each job's thread, holds a
 `JobMemory` session for the job's life (`with memory.session(spec): run the
 script`): it binds the thread (and the threads the job starts) to the job in the
-allocator, waits for the engine's admission, and on leaving hands everything back.
+allocator and closes the job's admission gate (its first device allocation waits for
+the engine's admission, `Memory._admission`), and on leaving hands everything back.
 
 One memory truth on both devices: on the CPU every tensor torch allocates goes
 through the allocator installed for the run (its capacity is `--memory-limit`, or
@@ -134,6 +135,7 @@ class Memory:
         jobs_at_once: int = 1,
         offload: str = "never",
         offload_limit: int | float | None = None,
+        in_shared_lock: Callable[[], bool] | None = None,
     ):
         self.device = device
         self._offload = (offload, offload_limit)
@@ -145,6 +147,15 @@ class Memory:
         self.allocator = self._install(limit)
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
+        self._in_shared_lock = in_shared_lock  # a job thread there must not wait (an import)
+        self.admits_at_allocation = self.engine is not None and self.allocator == "waterwave"
+        """A job waits for admission at its first device allocation (`_admission`),
+        not before its script starts: its imports and data loading run beside the
+        running jobs. Without wwrun's allocator, before its script starts."""
+        if self.admits_at_allocation:
+            from wwrun.memory import allocator
+
+            allocator.set_admission_callback(self._admission, device)
         self._expected_releases: set[str] = set()  # what rule f was last told
         self._releases_lock = forksafe.Lock()
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
@@ -291,6 +302,10 @@ class Memory:
         if self._closed:
             return
         self._closed = True
+        if self.admits_at_allocation:
+            from wwrun.memory import allocator
+
+            allocator.set_admission_callback(None, self.device)
         if self.device == "cpu" and self.allocator == "waterwave":
             from wwrun.memory import allocator
 
@@ -324,6 +339,22 @@ class Memory:
         self._sessions.pop(name, None)
         if self.engine is not None:
             self.engine.job_finished(name)  # and so rule f stops waiting for it
+
+    def _admission(self, name: str) -> bool:
+        """The allocator's admission gate (Note [Admission at the first allocation] in
+        csrc/allocator/admission_gate.h): a thread of job `name` is about to take its
+        first device memory. Waits for the engine's admission and opens the job's gate.
+        What reaches the job meanwhile (Ctrl-C) is raised by its allocation."""
+        if self._in_shared_lock is not None and self._in_shared_lock():
+            # An import (a module-level tensor): waiting here would hold the module's
+            # lock, which a running job may need before it can make room. Counted to
+            # the job, not yet planned; its next allocation outside asks again.
+            return True
+        self.engine.admit(name)
+        from wwrun.memory import allocator
+
+        allocator.open_admission(name, self.device)
+        return True
 
     def _meter(self, name: str):
         """The job's (held bytes now, most since the window restarted) reader: the
@@ -443,8 +474,9 @@ class Memory:
 
 class JobMemory:
     """One job's memory session, entered and left on the job's own thread: the
-    thread is bound to the job in the allocator (its stream on CUDA), then the
-    engine admits the job (it may wait until the job fits beside the others);
+    thread is bound to the job in the allocator (its stream on CUDA), and the job
+    is admitted by the engine at its first device allocation (it may wait there
+    until the job fits beside the others; without wwrun's allocator, here);
     leaving hands back every byte and wakes the others."""
 
     def __init__(self, memory: Memory, name: str, priority: int, memory_limit):
@@ -477,14 +509,16 @@ class JobMemory:
                 torch.cuda.set_stream(stream)
             allocator.mark_job_thread(self.name, limit)  # rule f may wait on this thread only
             self._bound = True
+            if memory.admits_at_allocation:  # its first device allocation waits to be admitted
+                allocator.close_admission(self.name, memory.device)
         elif memory.device == "cuda":
             import torch
 
             # Each job on its own stream: the legacy default stream would serialize them.
             self.stream = torch.cuda.Stream()
             torch.cuda.set_stream(self.stream)
-        if memory.engine is not None:  # may wait until the job fits beside the others
-            memory.engine.job_started(self.name, self.priority)
+        if memory.engine is not None:  # without the allocator's gate, waits here until the job fits
+            memory.engine.job_started(self.name, self.priority, admit=not memory.admits_at_allocation)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -502,6 +536,8 @@ class JobMemory:
             from wwrun.memory import allocator
 
             allocator.unmark_job_thread()
+            if current and memory.admits_at_allocation:  # its threads left behind ask no more
+                allocator.open_admission(self.name, memory.device)
             if current and memory.device == "cuda":
                 allocator.unregister_job(self.name)
             elif current:

@@ -38,6 +38,7 @@ __all__ = [
     "Headroom",
     "HostAllocator",
     "capacity_headroom",
+    "close_admission",
     "cpu_empty_cache",
     "cpu_job_stats",
     "cpu_reset_peak_stats",
@@ -57,7 +58,9 @@ __all__ = [
     "mark_job_thread",
     "measure_headroom",
     "new_job_stream",
+    "open_admission",
     "register_stream",
+    "set_admission_callback",
     "set_expected_releases",
     "source_dir",
     "stats",
@@ -428,6 +431,29 @@ def unmark_job_thread() -> None:
         module.unmark_job_thread()
     if _modules.get("cpu") is not None:
         _modules["cpu"].unbind_thread()
+
+
+def _serving(device: str):
+    """The extension whose allocator serves `device`'s tensors in this process."""
+    return _cuda() if torch.device(device).type == "cuda" else _cpu()
+
+
+def set_admission_callback(callback: Callable[[str], object] | None, device: str = "cpu") -> None:
+    """What a job thread calls at an allocation while its job's admission gate is
+    closed (Note [Admission at the first allocation] in csrc/allocator/admission_gate.h):
+    `callback(job)` returns once the job is admitted; what it raises, the allocation
+    raises."""
+    _serving(device).set_admission_callback(callback)
+
+
+def close_admission(job: str, device: str = "cpu") -> None:
+    """`job`'s threads call the admission callback before they allocate."""
+    _serving(device).close_admission(_check_job(job))
+
+
+def open_admission(job: str, device: str = "cpu") -> None:
+    """`job`'s threads allocate without asking (it is admitted, or gone)."""
+    _serving(device).open_admission(_check_job(job))
 
 
 def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]]:

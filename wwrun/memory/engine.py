@@ -53,9 +53,11 @@ module to grow as much as the largest growth so far; its backward and step,
 unmeasured until they end, run with no other pass started beside them: the claim
 reaches the scheduler when the iteration ends, `_end_profile`), a newcomer's model
 and data (built by its script before wwrun sees it, counted at its first pass; a
-job is admitted only when a model as small as the smallest seen so far leaves room
-for every running job's iteration) and optimizer state beyond the guess made before
-the first step (Adam's two buffers per parameter). Gradients are reserved when the
+job is admitted, at its first device allocation (`admit`, called by the allocator's
+gate: its setup before it runs beside the others), only when a model as small as
+the smallest seen so far leaves room for every running job's iteration) and
+optimizer state beyond the guess made before the first step (Adam's two buffers per
+parameter). Gradients are reserved when the
 model is found. A newcomer's first pass asks for the claim of a settled job with the
 same parameters and inputs (one of a sweep) before it starts, so that alike jobs
 wait for room rather than start a pass that cannot finish.
@@ -333,9 +335,11 @@ class Engine:
             return None
         return max(self.page_bytes, self.capacity - self.capacity % self.page_bytes)
 
-    def job_started(self, name: str, priority: int = 0) -> None:
-        """In the job's thread, before its script runs; waits while the job does not
-        fit beside the running ones (FIFO or LAS order, then priority)."""
+    def job_started(self, name: str, priority: int = 0, *, admit: bool = True) -> None:
+        """In the job's thread, before its script runs. With `admit`, waits here while
+        the job does not fit beside the running ones (`admit`); without, the job is
+        admitted at its first use of memory: its first device allocation (the
+        allocator's gate calls `admit`), else its first forward or optimizer step."""
         self._local.job = name
         self._local.depth = 0
         with self._lock:
@@ -351,17 +355,30 @@ class Engine:
             if job.meter is not None and self.capacity is not None and self.offloader is not None:
                 job.meter = self.offloader.job(name).measure(job.meter)
             self.timeline.track(name)
-            self.scheduler.enqueue(name, priority)
+            self._install_global_hooks()
+        if admit:
+            self.admit(name)
+
+    def admit(self, name: str) -> None:
+        """Waits while the job does not fit beside the running ones (queued in arrival
+        order, FIFO or LAS, then priority: scheduler.try_start); at once for a job
+        admitted, ended or unknown. Any thread of the job may ask, several at once."""
+        with self._lock:
+            job = self._jobs.get(name)
+            if job is None or job.admitted is not None or job.ended is not None:
+                return
+            if name not in self.scheduler.jobs:
+                self.scheduler.enqueue(name, job.priority)
             waited_from = time.perf_counter()
             if not self.scheduler.try_start(name):
                 self._tell(name, "queued")
-                while not self.scheduler.try_start(name):
+                while job.ended is None and not self.scheduler.try_start(name):
                     self._cond.wait(WAIT_POLL_S)
                 self._tell(name, "running")
-            self._waited(job, "queued", waited_from)
-            job.admitted = time.perf_counter()
-            job.queued_s = job.admitted - waited_from
-            self._install_global_hooks()
+            if job.admitted is None and job.ended is None:  # not by another of its threads meanwhile
+                self._waited(job, "queued", waited_from)
+                job.admitted = time.perf_counter()
+                job.queued_s = job.admitted - waited_from
 
     def job_finished(self, name: str) -> None:
         """In the job's thread after its script ended (also on failure): every byte it
@@ -491,6 +508,8 @@ class Engine:
         job = self._job()
         if job is None:
             return
+        if job.admitted is None:  # no device memory taken yet (a model trained on the host)
+            self.admit(job.name)
         if job.discovering:
             depth = getattr(self._local, "depth", 0)
             self._local.depth = depth + 1
@@ -1191,6 +1210,8 @@ class Engine:
         job = self._job()
         if job is None:
             return
+        if job.admitted is None:  # a step before any forward or device memory
+            self.admit(job.name)
         if job.meter is not None:
             now = self._read(job, restart=True)  # the step's own window starts
             if job.baseline is not None:
@@ -1225,7 +1246,7 @@ class Engine:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         job = self._job()
-        if job is None:
+        if job is None or job.admitted is None:
             return
         job.iterations += 1
         job.window_stepped = True

@@ -35,7 +35,9 @@ job waiting. If every job waits and no
 request is even safe (only possible when a profile or a newcomer's model reveals a
 job that does not fit beside the others), `stuck_victim` names the job to fail.
 
-Jobs are admitted (`try_start`) in queue order once the running ones are *settled*
+Jobs are admitted (`try_start`; the engine asks at a job's first device allocation,
+so its queue order is the order of arrival there) in queue order once the running
+ones are *settled*
 (profiled, and their persistent bytes known: an optimizer's state appears at its first
 step, after the profile) and one more model as small as the smallest seen so far
 leaves room for each running job's iteration: sum P + max A <= capacity, and the
