@@ -270,8 +270,10 @@ SAVED = engine_module._Saved
 
 def run(after_first=lambda: None):
     g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    with torch.no_grad():  # from its own generator: the jobs' threads share torch's global one here
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for step in range(5):
