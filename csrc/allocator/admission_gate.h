@@ -8,8 +8,8 @@
 // Each job has a gate, closed as its session starts (close_admission) and opened
 // once it is admitted (open_admission). Every thread marked as the job's
 // (mark_job_thread) shares it. A thread whose gate is closed calls the admission
-// callback (a Python callable: job name -> True once admitted) on torch's
-// allocation path, before the allocator's lock, with the GIL taken and the
+// callback (a Python callable of the job's name, returning once the job is
+// admitted) on torch's allocation path, before the allocator's lock, with the GIL taken and the
 // per-job generators' swap lock let go (wait_release.h), as a rule-f wait does:
 // the jobs it waits for may need either. What the callback raises (Ctrl-C
 // reaching the job while it waits) is raised by the allocation, as torch's

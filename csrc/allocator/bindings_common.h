@@ -117,8 +117,6 @@ inline std::vector<void*> as_pointers(const std::vector<std::uintptr_t>& address
   return ptrs;
 }
 
-// OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native
-// allocator's error catches ours too.
 // The admission gate's Python face (Note [Admission at the first allocation]).
 inline void register_admission(py::module_& m) {
   m.def("close_admission", &close_admission);
@@ -128,6 +126,8 @@ inline void register_admission(py::module_& m) {
   });
 }
 
+// OutOfMemory -> torch.OutOfMemoryError, so a job's handler for the native
+// allocator's error catches ours too.
 inline void register_out_of_memory(py::module_& m) {
   // Module-local, and torch's class looked up when raised (translators run with the
   // GIL): a static here is one object shared by every wwrun extension of the

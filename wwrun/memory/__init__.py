@@ -302,13 +302,13 @@ class Memory:
         if self._closed:
             return
         self._closed = True
+        if self.allocator != "waterwave":
+            return
+        from wwrun.memory import allocator
+
         if self.admits_at_allocation:
-            from wwrun.memory import allocator
-
             allocator.set_admission_callback(None, self.device)
-        if self.device == "cpu" and self.allocator == "waterwave":
-            from wwrun.memory import allocator
-
+        if self.device == "cpu":
             allocator.cpu_empty_cache()
             allocator.uninstall_cpu_allocator()
 
@@ -340,7 +340,7 @@ class Memory:
         if self.engine is not None:
             self.engine.job_finished(name)  # and so rule f stops waiting for it
 
-    def _admission(self, name: str) -> bool:
+    def _admission(self, name: str) -> None:
         """The allocator's admission gate (Note [Admission at the first allocation] in
         csrc/allocator/admission_gate.h): a thread of job `name` is about to take its
         first device memory. Waits for the engine's admission and opens the job's gate.
@@ -349,12 +349,11 @@ class Memory:
             # An import (a module-level tensor): waiting here would hold the module's
             # lock, which a running job may need before it can make room. Counted to
             # the job, not yet planned; its next allocation outside asks again.
-            return True
+            return
         self.engine.admit(name)
         from wwrun.memory import allocator
 
         allocator.open_admission(name, self.device)
-        return True
 
     def _meter(self, name: str):
         """The job's (held bytes now, most since the window restarted) reader: the

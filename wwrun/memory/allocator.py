@@ -438,7 +438,7 @@ def _serving(device: str):
     return _cuda() if torch.device(device).type == "cuda" else _cpu()
 
 
-def set_admission_callback(callback: Callable[[str], object] | None, device: str = "cpu") -> None:
+def set_admission_callback(callback: Callable[[str], None] | None, device: str = "cpu") -> None:
     """What a job thread calls at an allocation while its job's admission gate is
     closed (Note [Admission at the first allocation] in csrc/allocator/admission_gate.h):
     `callback(job)` returns once the job is admitted; what it raises, the allocation

@@ -508,9 +508,9 @@ class Engine:
         job = self._job()
         if job is None:
             return
-        if job.admitted is None:  # no device memory taken yet (a model trained on the host)
-            self.admit(job.name)
-        if job.discovering:
+        if job.discovering:  # (until its first step: the steady state's module calls skip both)
+            if job.admitted is None:  # no device memory taken yet (a model trained on the host)
+                self.admit(job.name)
             depth = getattr(self._local, "depth", 0)
             self._local.depth = depth + 1
             if depth == 0 and module not in self._roots:
@@ -1246,7 +1246,7 @@ class Engine:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         job = self._job()
-        if job is None or job.admitted is None:
+        if job is None:
             return
         job.iterations += 1
         job.window_stepped = True
