@@ -340,3 +340,20 @@ def test_a_ctrl_c_at_start_up_delivered_twice_ends_quietly_and_a_later_one_at_on
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (done.returncode, done.stdout, done.stderr) == (130, "let go\n", "")
 
+
+
+def test_a_ctrl_c_at_start_up_that_an_import_drops_still_stops_the_run(tmp_path):
+    """torch's C start-up drops an exception raised while it imports numpy: a Ctrl-C
+    landing there was lost and the whole run went on. Remembered from the CLI's start,
+    it ends the run before any job starts."""
+    code = ("import os, signal, sys, time\nfrom wwrun import host\nhost.watch_start_up_interrupts()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    pass  # as torch's start-up drops it\n"
+            "from wwrun.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    script = tmp_path / "job.py"
+    script.write_text("print('ran')\n")
+    done = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--log-dir", str(tmp_path / "logs"),
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stderr.strip()) == (130, "wwrun: interrupted"), done.stderr
+    assert "ran" not in done.stdout and not (tmp_path / "logs").exists()

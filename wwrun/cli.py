@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         return _show(argv[1:])
     if argv[:1] == ["build"] and not os.path.isfile("build"):
         return _build(argv[1:])
+    from wwrun import host
+
+    host.watch_start_up_interrupts()  # before torch's import, which may drop a Ctrl-C
     from wwrun.build import BuildError
     from wwrun.launcher import EXIT_INTERRUPTED, launch, preflight
 
@@ -270,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wwrun: error: {one_line(str(_as_flag(err)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C outside the run (start-up, summary)
-        from wwrun import host
-
         host.end_at_a_later_interrupt(EXIT_INTERRUPTED)
         print("wwrun: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -57,6 +57,32 @@ def end_at_a_later_interrupt(exit_code: int) -> None:
     signal.signal(signal.SIGINT, on_interrupt)
 
 
+_pressed_at_start_up = False
+
+
+def watch_start_up_interrupts() -> None:
+    """From the CLI, before start-up's imports (from the main thread, with Python's
+    own Ctrl-C handler in place): a Ctrl-C is raised as before, and remembered. torch's
+    C start-up drops an exception raised while it imports numpy (it asks whether numpy
+    is there and clears the error), so a Ctrl-C landing then was lost and the whole
+    run went on; the run ends before it starts (`pressed_at_start_up`)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def on_interrupt(signum, frame):
+        global _pressed_at_start_up
+        _pressed_at_start_up = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+
+
+def pressed_at_start_up() -> bool:
+    """Whether Ctrl-C was pressed since `watch_start_up_interrupts`."""
+    return _pressed_at_start_up
+
+
 def handle_interrupts(handler, relay=None) -> Callable[[], None]:
     """`handler` for Ctrl-C and SIGTERM while a run goes on (from the main thread
     only, as Python allows), `relay` for RELAYED_SIGNALS; returns what puts the

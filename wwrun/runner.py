@@ -175,6 +175,8 @@ class Runner:
             self.memory.close()  # torch's own CPU allocator serves again, whatever happened
 
     def _run(self) -> RunResult:
+        if host.pressed_at_start_up():  # and dropped by an import on the way (torch's)
+            raise KeyboardInterrupt
         start_run_folder(self.config, self.run_dir, self.display.note)
         host.forget_dead_resource_tracker()
         self._children_before = host.child_pids()
