@@ -305,8 +305,14 @@ def test_explicit_omp_num_threads_is_left_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     script = str(SCRIPTS / "threads.py")
     result = run(tmp_path, JobSpec(name="a", script=script), JobSpec(name="b", script=script))
+    # What any new thread of this process sees (OpenMP's count is per thread: an earlier
+    # test's set_num_threads on the main thread changed the main thread's alone).
+    fresh = []
+    reader = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    reader.start()
+    reader.join()
     for job in result.jobs:
-        assert (Path(job.log_dir) / "stdout.log").read_text().strip() == f"threads={torch.get_num_threads()}"
+        assert (Path(job.log_dir) / "stdout.log").read_text().strip() == f"threads={fresh[0]}"
 
 
 @pytest.mark.gpu
