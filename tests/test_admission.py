@@ -147,6 +147,22 @@ def test_validation_forwards_outside_no_grad_free_their_graphs(tmp_path):
         ([job.extra["peak_memory_bytes"] for job in result.jobs], peak)
 
 
+def test_a_job_that_outgrows_its_plan_late_waits_at_the_limit_instead_of_running_out(tmp_path):
+    """A job sized by its training iterations evaluates late on a far larger batch
+    (makemore at step 500): it fits alone, not beside the other job's parameters. At
+    the limit it waits for that job to end (Note [Waiting at the limit]) and prints
+    what it prints alone; it ran out of memory before."""
+    late = (str(SCRIPTS / "late_evaluation.py"), ["20", "5", "32"])
+    other = (str(SCRIPTS / "train_mlp.py"), ["--width", "1024", "--batch", "64", "--steps", "150"])
+    alone = _launch(_jobs(late), tmp_path / "alone", policy="concurrent")
+    peak = alone.jobs[0].extra["peak_memory_bytes"]
+    result = _launch(_jobs(other, late), tmp_path / "together", memory_limit=90 * MiB)
+    _all_finish_within(result, 90 * MiB)
+    assert peak + result.jobs[0].extra["peak_memory_bytes"] > 90 * MiB  # they do not fit side by side
+    read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
+    assert read(result.jobs[1]) == read(alone.jobs[0])
+
+
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):
     """nanoGPT evaluates at step 0, before it trains: a newcomer's first pass under
     no_grad is measured as a profile is, alone, not taken for one keeping nothing (three

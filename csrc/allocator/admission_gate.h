@@ -9,13 +9,10 @@
 // once it is admitted (open_admission). Every thread marked as the job's
 // (mark_job_thread) shares it. A thread whose gate is closed calls the admission
 // callback (a Python callable of the job's name, returning once the job is
-// admitted) on torch's allocation path, before the allocator's lock, with the GIL taken and the
-// per-job generators' swap lock let go (wait_release.h), as a rule-f wait does:
-// the jobs it waits for may need either. What the callback raises (Ctrl-C
-// reaching the job while it waits) is raised by the allocation, as torch's
-// Python bindings raise a Python error from C++ (python_error): the script sees
-// its KeyboardInterrupt where it would under `python`. Open, the check is one
-// thread-local load and one atomic load.
+// admitted) on torch's allocation path, before the allocator's lock
+// (python_call.h: with the GIL, the per-job generators' swap lock let go; what
+// the callback raises, Ctrl-C reaching the job while it waits, the allocation
+// raises). Open, the check is one thread-local load and one atomic load.
 #pragma once
 
 #include <Python.h>
@@ -26,9 +23,7 @@
 #include <string>
 #include <unordered_map>
 
-#include <torch/csrc/Exceptions.h>
-
-#include "wait_release.h"
+#include "python_call.h"
 
 namespace wwrun::alloc {
 
@@ -97,28 +92,14 @@ inline void set_admission_callback(PyObject* callback) {
 
 inline void await_admission_slow(AdmissionGate& gate) {
   if (!Py_IsInitialized()) return;
-  auto* held = wwrun::current_wait_release();
-  if (held) held->release();
-  const PyGILState_STATE state = PyGILState_Ensure();
-  bool raised = false;
-  python_error error;
-  if (PyObject* callback = admission_callback()) {
+  call_python_waiting([&]() -> PyObject* {
+    PyObject* callback = admission_callback();
+    if (callback == nullptr) Py_RETURN_NONE;
     Py_INCREF(callback);
     PyObject* result = PyObject_CallFunction(callback, "s", gate.job.c_str());
     Py_DECREF(callback);
-    if (result == nullptr) {
-      error.persist();  // fetched with the GIL: raised again by the binding that called torch
-      raised = true;
-    }
-    Py_XDECREF(result);
-  }
-  if (held) {  // taken back without the GIL: its next holder may need the GIL while holding it
-    PyThreadState* saved = PyEval_SaveThread();
-    held->reacquire();
-    PyEval_RestoreThread(saved);
-  }
-  PyGILState_Release(state);
-  if (raised) throw std::move(error);
+    return result;
+  });
 }
 
 // On torch's allocation path, before a job thread allocates: returns once its job

@@ -119,7 +119,21 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     }
     if (wait_for_releases(lock, job, deadline, why_not_wait)) continue;
 
-    // g. Said as it was at the latest try: the pages the request lacked, the
+    // g. The run's scheduler first (Note [Waiting at the limit]): a job that fits
+    // alone waits there, without our lock, for other jobs' frees, and tries again.
+    const WaitHooks& hooks = options_.wait_hooks;
+    if (hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
+      const std::string name = jobs_[job].name;
+      lock.unlock();
+      const bool room = hooks.at_limit(name, size);  // may throw: the lock is not held
+      lock.lock();
+      if (room) {
+        stage = kRuleA;
+        why_not_wait.clear();
+        continue;
+      }
+    }
+    // Said as it was at the latest try: the pages the request lacked, the
     // whole free pages beside those it had (the budget's and idle ones: the
     // report's free pages count those under the request too), and the limit if
     // that is what stopped d.

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "admission_gate.h"
+#include "python_wait_hooks.h"
 #include "waterwave_allocator.h"
 
 namespace wwrun::alloc {
@@ -117,12 +118,17 @@ inline std::vector<void*> as_pointers(const std::vector<std::uintptr_t>& address
   return ptrs;
 }
 
-// The admission gate's Python face (Note [Admission at the first allocation]).
-inline void register_admission(py::module_& m) {
+// The scheduler's callbacks' Python face: the admission gate (Note [Admission at the
+// first allocation]) and the wait at the limit (Note [Waiting at the limit]).
+inline void register_scheduler_callbacks(py::module_& m) {
   m.def("close_admission", &close_admission);
   m.def("open_admission", &open_admission);
   m.def("set_admission_callback", [](py::object callback) {
     set_admission_callback(callback.is_none() ? nullptr : callback.ptr());
+  });
+  // Note [Waiting at the limit]
+  m.def("set_limit_callback", [](py::object callback) {
+    set_limit_callback(callback.is_none() ? nullptr : callback.ptr());
   });
 }
 

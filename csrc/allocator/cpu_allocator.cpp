@@ -164,7 +164,7 @@ using wwrun::alloc::StreamId;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   wwrun::alloc::register_out_of_memory(m);
-  wwrun::alloc::register_admission(m);
+  wwrun::alloc::register_scheduler_callbacks(m);
   m.def("install", &cpu::install);
   m.def("uninstall", &cpu::uninstall);
   m.def("installed", [] { return cpu::current_core.load() != nullptr; });

@@ -11,7 +11,7 @@ using wwrun::alloc::StreamId;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   wwrun::alloc::register_out_of_memory(m);
-  wwrun::alloc::register_admission(m);
+  wwrun::alloc::register_scheduler_callbacks(m);
   m.def("install", &tc::install);
   m.def("installed", &tc::installed);
   m.def("mark_job_thread", &wwrun::alloc::mark_job_thread);

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "admission_gate.h"
+#include "python_call.h"
 #include "wait_release.h"
 #include "waterwave_allocator.h"
 
@@ -35,6 +36,43 @@ inline void unmark_job_thread() {
 }
 inline bool is_job_thread() { return !job_thread_mark().empty(); }
 
+// Note [Waiting at the limit]
+//
+// A job that fits alone must not die of running out of memory beside others. When a
+// job thread's request would fail at rule g, the allocator calls the run's limit
+// callback (a Python callable of the job's name and the request's bytes, the
+// engine's: wwrun/memory/engine.py, Engine.wait_at_limit) without its lock, with the
+// GIL (python_call.h). It returns true once the job may try again: it waited until
+// another job freed memory (a backward's progress, a step's end, a job's end). False:
+// the request fails as before, when the job could not fit even alone, or no
+// scheduler plans the run. When every job waits and none can go on, the scheduler
+// makes one give way (what the callback raises, the allocation raises). Threads not
+// marked as a job's never wait (the autograd thread), as in rule f.
+inline PyObject*& limit_callback() {
+  static PyObject* callback = nullptr;  // a new reference, or null
+  return callback;
+}
+
+// Called with the GIL held (a binding).
+inline void set_limit_callback(PyObject* callback) {
+  Py_XINCREF(callback);
+  PyObject* previous = limit_callback();
+  limit_callback() = callback;
+  Py_XDECREF(previous);
+}
+
+inline bool wait_at_limit(const std::string& job, std::size_t bytes) {
+  if (!Py_IsInitialized()) return false;
+  return call_python_waiting([&]() -> PyObject* {
+    PyObject* callback = limit_callback();
+    if (callback == nullptr) Py_RETURN_FALSE;
+    Py_INCREF(callback);
+    PyObject* result = PyObject_CallFunction(callback, "sn", job.c_str(), static_cast<Py_ssize_t>(bytes));
+    Py_DECREF(callback);
+    return result;
+  });
+}
+
 // A lock the thread holds for another part of wwrun (wait_release.h: the per-job
 // generators' swap) is let go for the wait too, and taken back before the GIL: its
 // next holder may need the GIL while holding it.
@@ -50,6 +88,7 @@ inline WaitHooks python_wait_hooks() {
     if (auto* held = wwrun::current_wait_release()) held->reacquire();
     if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
   };
+  hooks.at_limit = wait_at_limit;
   return hooks;
 }
 

@@ -42,7 +42,10 @@
 //      itself waiting here, none will free: the latest to arrive fails at once
 //      instead, and one failing gives the other waiters a new bound (Note
 //      [Rule f deadlock]);
-//   g. fail: that job alone gets OutOfMemory, with a message naming the job, the
+//   g. the run's scheduler decides (WaitHooks::at_limit, Note [Waiting at the
+//      limit] in python_wait_hooks.h): a job that fits alone waits there for
+//      another job's frees and tries again from a; otherwise
+//      fail: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage, the device's usage by job, and what was free at
 //      the moment of the decision: whole pages, and the largest free run.
 // A job's own limit is checked first: beyond it the job goes straight to g.
@@ -395,6 +398,11 @@ struct WaitHooks {
   std::function<bool()> may_wait;
   std::function<void*()> before;
   std::function<void(void*)> after;
+  // Rule g's last word (Note [Waiting at the limit]): called without the lock for
+  // a job thread's request that would fail, with the job's name and the request's
+  // bytes; true once there may be room for it (it is tried again from a), false:
+  // it fails. May throw (an error the allocation raises).
+  std::function<bool(const std::string&, std::size_t)> at_limit;
 };
 
 struct Options {

@@ -156,6 +156,7 @@ class Memory:
             from wwrun.memory import allocator
 
             allocator.set_admission_callback(self._admission, device)
+            allocator.set_limit_callback(self._at_limit, device)
         self._expected_releases: set[str] = set()  # what rule f was last told
         self._releases_lock = forksafe.Lock()
         self._sessions: dict[str, JobMemory] = {}  # the live session of each job name
@@ -308,6 +309,7 @@ class Memory:
 
         if self.admits_at_allocation:
             allocator.set_admission_callback(None, self.device)
+            allocator.set_limit_callback(None, self.device)
         if self.device == "cpu":
             allocator.cpu_empty_cache()
             allocator.uninstall_cpu_allocator()
@@ -354,6 +356,15 @@ class Memory:
         from wwrun.memory import allocator
 
         allocator.open_admission(name, self.device)
+
+    def _at_limit(self, name: str, nbytes: int) -> bool:
+        """The allocator's last word before a job thread's request fails at the limit
+        (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): a job that
+        fits alone waits for the others' frees (`Engine.wait_at_limit`); True: it
+        tries again. Not inside an import, whose lock a running job may need."""
+        if self._in_shared_lock is not None and self._in_shared_lock():
+            return False
+        return self.engine.wait_at_limit(name, nbytes)
 
     def _meter(self, name: str):
         """The job's (held bytes now, most since the window restarted) reader: the

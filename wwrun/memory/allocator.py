@@ -62,6 +62,7 @@ __all__ = [
     "register_stream",
     "set_admission_callback",
     "set_expected_releases",
+    "set_limit_callback",
     "source_dir",
     "stats",
     "stream_fixed_cost",
@@ -444,6 +445,14 @@ def set_admission_callback(callback: Callable[[str], None] | None, device: str =
     `callback(job)` returns once the job is admitted; what it raises, the allocation
     raises."""
     _serving(device).set_admission_callback(callback)
+
+
+def set_limit_callback(callback: Callable[[str, int], bool] | None, device: str = "cpu") -> None:
+    """What a job thread calls when its request would fail at the limit (Note [Waiting
+    at the limit] in csrc/allocator/python_wait_hooks.h): `callback(job, nbytes)`
+    returns True once the job may try again (it waited for other jobs' frees), False
+    to let the request fail; what it raises, the allocation raises."""
+    _serving(device).set_limit_callback(callback)
 
 
 def close_admission(job: str, device: str = "cpu") -> None:

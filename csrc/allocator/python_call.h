@@ -1,0 +1,47 @@
+// A call into Python from torch's allocation path, for a job thread that may wait
+// there (the admission gate, waiting at the limit). The thread may arrive with or
+// without the GIL (torch's bindings release it before an op allocates) and may hold
+// the per-job generators' swap lock (wait_release.h), which it lets go for the call:
+// the jobs it waits for may need either. What the callable raises (Ctrl-C reaching
+// the job while it waits) is raised by the allocation, as torch's Python bindings
+// raise a Python error from C++ (python_error): the script sees it where it would
+// under `python`.
+#pragma once
+
+#include <Python.h>
+
+#include <torch/csrc/Exceptions.h>
+
+#include "wait_release.h"
+
+namespace wwrun::alloc {
+
+// `call()` runs with the GIL and returns a new reference or null (an error set).
+// Returns the result's truth; throws python_error if it raised.
+template <typename Call>
+bool call_python_waiting(Call call) {
+  auto* held = wwrun::current_wait_release();
+  if (held) held->release();
+  const PyGILState_STATE state = PyGILState_Ensure();
+  bool raised = false, truth = false;
+  python_error error;
+  PyObject* result = call();
+  if (result == nullptr) {
+    error.persist();  // fetched with the GIL: raised again by the binding that called torch
+    raised = true;
+  } else {
+    truth = PyObject_IsTrue(result) == 1;
+    if (PyErr_Occurred()) PyErr_Clear();  // an object without a truth value: false
+    Py_DECREF(result);
+  }
+  if (held) {  // taken back without the GIL: its next holder may need the GIL while holding it
+    PyThreadState* saved = PyEval_SaveThread();
+    held->reacquire();
+    PyEval_RestoreThread(saved);
+  }
+  PyGILState_Release(state);
+  if (raised) throw std::move(error);
+  return truth;
+}
+
+}  // namespace wwrun::alloc
