@@ -147,20 +147,56 @@ def test_validation_forwards_outside_no_grad_free_their_graphs(tmp_path):
         ([job.extra["peak_memory_bytes"] for job in result.jobs], peak)
 
 
+def _late_beside_holder(tmp_path, holder_steps):
+    """A job (job1) that evaluates late on a 64 MiB batch, once a job (job0) holding
+    32 MiB of parameters and gradients has taken its first step: under 90 MiB each
+    fits alone, not both."""
+    held = str(tmp_path / "held")
+    holder = (str(SCRIPTS / "holds_then_trains.py"), ["16", str(holder_steps), held])
+    late = (str(SCRIPTS / "late_evaluation.py"), ["20", "5", "32", held])
+    return holder, late
+
+
 def test_a_job_that_outgrows_its_plan_late_waits_at_the_limit_instead_of_running_out(tmp_path):
     """A job sized by its training iterations evaluates late on a far larger batch
     (makemore at step 500): it fits alone, not beside the other job's parameters. At
     the limit it waits for that job to end (Note [Waiting at the limit]) and prints
     what it prints alone; it ran out of memory before."""
-    late = (str(SCRIPTS / "late_evaluation.py"), ["20", "5", "32"])
-    other = (str(SCRIPTS / "train_mlp.py"), ["--width", "1024", "--batch", "64", "--steps", "150"])
-    alone = _launch(_jobs(late), tmp_path / "alone", policy="concurrent")
-    peak = alone.jobs[0].extra["peak_memory_bytes"]
-    result = _launch(_jobs(other, late), tmp_path / "together", memory_limit=90 * MiB)
+    holder, late = _late_beside_holder(tmp_path, 150)
+    alone = _launch(_jobs((late[0], late[1][:3])), tmp_path / "alone", policy="concurrent")
+    result = _launch(_jobs(holder, late), tmp_path / "together", memory_limit=90 * MiB)
     _all_finish_within(result, 90 * MiB)
-    assert peak + result.jobs[0].extra["peak_memory_bytes"] > 90 * MiB  # they do not fit side by side
+    peaks = [job.extra["peak_memory_bytes"] for job in (*result.jobs, alone.jobs[0])]
+    assert peaks[0] + peaks[2] > 90 * MiB, peaks  # they do not fit side by side
     read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
     assert read(result.jobs[1]) == read(alone.jobs[0])
+
+
+def test_ctrl_c_reaches_a_job_waiting_at_the_limit_as_under_python(tmp_path):
+    """A job waiting at the limit (its late evaluation beside a job that trains on)
+    gets Ctrl-C as a KeyboardInterrupt raised by the allocation that waits, inside
+    its model's forward, and the run ends at once."""
+    events = tmp_path / "events.jsonl"
+
+    def interrupt_while_waiting():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = events.read_text().splitlines() if events.exists() else []
+            if any(json.loads(line)["job"] == "job1" and json.loads(line)["state"] == "waiting" for line in lines):
+                time.sleep(1)  # past the evaluation's start, a short wait: at the limit, until job0 ends
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=interrupt_while_waiting, daemon=True).start()
+    holder, late = _late_beside_holder(tmp_path, 100000)
+    result = _launch(_jobs(holder, late), tmp_path, memory_limit=90 * MiB, events=str(events), grace_period_s=10)
+    assert [(job.state.value, job.exit_code) for job in result.jobs] == [("interrupted", 130)] * 2, \
+        [job.error for job in result.jobs]
+    said = (Path(result.jobs[1].log_dir) / "stdout.log").read_text()
+    # Raised where the allocation waited, in the model's forward, as under python.
+    assert said.startswith("KeyboardInterrupt in the evaluation, through forward") and " wait_at_limit " in said, said
+    assert result.exit_code == 130
 
 
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):

@@ -148,6 +148,7 @@ class Memory:
         self.limit = self._limit(limit)
         self.engine = self._make_engine(policy, nodegroups, queue, trace, current_job)
         self._in_shared_lock = in_shared_lock  # a job thread there must not wait (an import)
+        self._pid = os.getpid()  # a forked child's job threads never wait at the limit
         self.admits_at_allocation = self.engine is not None and self.allocator == "waterwave"
         """A job waits for admission at its first device allocation (`_admission`),
         not before its script starts: its imports and data loading run beside the
@@ -347,6 +348,8 @@ class Memory:
         csrc/allocator/admission_gate.h): a thread of job `name` is about to take its
         first device memory. Waits for the engine's admission and opens the job's gate.
         What reaches the job meanwhile (Ctrl-C) is raised by its allocation."""
+        if os.getpid() != self._pid:
+            return  # a forked child's memory is its own: nothing there admits it
         if self._in_shared_lock is not None and self._in_shared_lock():
             # An import (a module-level tensor): waiting here would hold the module's
             # lock, which a running job may need before it can make room. Counted to
@@ -361,8 +364,9 @@ class Memory:
         """The allocator's last word before a job thread's request fails at the limit
         (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): a job that
         fits alone waits for the others' frees (`Engine.wait_at_limit`); True: it
-        tries again. Not inside an import, whose lock a running job may need."""
-        if self._in_shared_lock is not None and self._in_shared_lock():
+        tries again. Not inside an import, whose lock a running job may need, nor in
+        a forked child (a DataLoader worker), where no other job will ever free."""
+        if os.getpid() != self._pid or (self._in_shared_lock is not None and self._in_shared_lock()):
             return False
         return self.engine.wait_at_limit(name, nbytes)
 
