@@ -199,6 +199,22 @@ def test_ctrl_c_reaches_a_job_waiting_at_the_limit_as_under_python(tmp_path):
     assert result.exit_code == 130
 
 
+def test_a_job_at_the_limit_fails_as_under_python_once_no_job_frees_anything_for_the_bound(tmp_path, monkeypatch):
+    """Waiting at the limit has a bound: while the other job idles holding its memory
+    (nothing freed anywhere for LIMIT_RETRY_S, here 1 s), the waiting job's request
+    fails with the allocator's out-of-memory error instead of waiting on."""
+    from wwrun.memory import engine
+
+    monkeypatch.setattr(engine, "LIMIT_RETRY_S", 1.0)
+    holder, late = _late_beside_holder(tmp_path, 0)
+    holder = (holder[0], [*holder[1], "20"])  # idles 20 s after its first step
+    result = _launch(_jobs(holder, late), tmp_path, memory_limit=90 * MiB)
+    assert [job.state.value for job in result.jobs] == ["succeeded", "failed"], [job.error for job in result.jobs]
+    assert "is out of memory" in result.jobs[1].error
+    assert result.jobs[1].extra["wait_s"] >= 0.5  # it waited at the limit first (its retries aside)
+    assert result.jobs[1].wall_s < 15  # and gave up long before the holder ended
+
+
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):
     """nanoGPT evaluates at step 0, before it trains: a newcomer's first pass under
     no_grad is measured as a profile is, alone, not taken for one keeping nothing (three

@@ -86,6 +86,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   int stage = kRuleA;  // the furthest rule this request has reached
   std::chrono::steady_clock::time_point deadline;
   std::string why_not_wait;  // set when rule f finds a deadlock
+  int limit_waits = 0;       // times g asked the run's scheduler (Note [Waiting at the limit])
   Block* block = nullptr;
   std::size_t lacking = 0, spare = 0;  // at the latest try: pages missing, and free elsewhere
   for (;;) {
@@ -121,15 +122,15 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
     // g. The run's scheduler first (Note [Waiting at the limit]): a job that fits
     // alone waits there, without our lock, for other jobs' frees, and tries again.
+    // Not when f found every job it could wait for waiting here: this one gives way.
     const WaitHooks& hooks = options_.wait_hooks;
-    if (hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
+    if (why_not_wait.empty() && hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
       const std::string name = jobs_[job].name;
       lock.unlock();
-      const bool room = hooks.at_limit(name, size);  // may throw: the lock is not held
+      const bool room = hooks.at_limit(name, size, limit_waits++);  // may throw: the lock is not held
       lock.lock();
       if (room) {
         stage = kRuleA;
-        why_not_wait.clear();
         continue;
       }
     }

@@ -40,14 +40,19 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 //
 // A job that fits alone must not die of running out of memory beside others. When a
 // job thread's request would fail at rule g, the allocator calls the run's limit
-// callback (a Python callable of the job's name and the request's bytes, the
-// engine's: wwrun/memory/engine.py, Engine.wait_at_limit) without its lock, with the
-// GIL (python_call.h). It returns true once the job may try again: it waited until
-// another job freed memory (a backward's progress, a step's end, a job's end). False:
-// the request fails as before, when the job could not fit even alone, or no
-// scheduler plans the run. When every job waits and none can go on, the scheduler
-// makes one give way (what the callback raises, the allocation raises). Threads not
-// marked as a job's never wait (the autograd thread), as in rule f.
+// callback (a Python callable of the job's name, the request's bytes and how many
+// times the request asked before; the engine's: wwrun/memory/engine.py,
+// Engine.wait_at_limit) without its lock, with the GIL (python_call.h). It returns
+// true once the job may try again: the plan has room for it, and the jobs hold less
+// than ever since it came (a backward's progress, a step's end, a job's end). False:
+// the request fails as before: the job could not fit even alone, no scheduler plans
+// the run, or the jobs' memory did not fall for a bound (every job stalled, or one
+// held up by a lock inside torch that the waiting thread holds). When every job waits and none
+// can go on, the scheduler makes one give way, the job waiting here first (what
+// the callback raises, the allocation raises); when rule f found every job it could
+// wait for waiting in the allocator, the request fails at once, as before. Only a
+// job's own thread waits here: not the autograd thread, not a thread the job
+// started, not a forked child's (a DataLoader worker).
 inline PyObject*& limit_callback() {
   static PyObject* callback = nullptr;  // a new reference, or null
   return callback;
@@ -61,13 +66,14 @@ inline void set_limit_callback(PyObject* callback) {
   Py_XDECREF(previous);
 }
 
-inline bool wait_at_limit(const std::string& job, std::size_t bytes) {
+inline bool wait_at_limit(const std::string& job, std::size_t bytes, int attempt) {
   if (!Py_IsInitialized()) return false;
   return call_python_waiting([&]() -> PyObject* {
     PyObject* callback = limit_callback();
     if (callback == nullptr) Py_RETURN_FALSE;
     Py_INCREF(callback);
-    PyObject* result = PyObject_CallFunction(callback, "sn", job.c_str(), static_cast<Py_ssize_t>(bytes));
+    PyObject* result =
+        PyObject_CallFunction(callback, "sni", job.c_str(), static_cast<Py_ssize_t>(bytes), attempt);
     Py_DECREF(callback);
     return result;
   });

@@ -24,6 +24,7 @@ PyTorch's. The engine reads each job's allocated bytes from it; the report's
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 from wwrun import forksafe
@@ -360,15 +361,19 @@ class Memory:
 
         allocator.open_admission(name, self.device)
 
-    def _at_limit(self, name: str, nbytes: int) -> bool:
+    def _at_limit(self, name: str, nbytes: int, attempt: int) -> bool:
         """The allocator's last word before a job thread's request fails at the limit
         (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): a job that
         fits alone waits for the others' frees (`Engine.wait_at_limit`); True: it
-        tries again. Not inside an import, whose lock a running job may need, nor in
-        a forked child (a DataLoader worker), where no other job will ever free."""
-        if os.getpid() != self._pid or (self._in_shared_lock is not None and self._in_shared_lock()):
+        tries again. Only on the job's own thread (one it started would die of the
+        job's giving way), not in a forked child (a DataLoader worker: no other job
+        frees there), not inside an import (a running job may need its lock)."""
+        session = self._sessions.get(name)
+        if session is None or session.thread != threading.get_ident() or os.getpid() != self._pid:
+            return False  # a thread the job started, or a forked child's
+        if self._in_shared_lock is not None and self._in_shared_lock():
             return False
-        return self.engine.wait_at_limit(name, nbytes)
+        return self.engine.wait_at_limit(name, nbytes, attempt)
 
     def _meter(self, name: str):
         """The job's (held bytes now, most since the window restarted) reader: the
@@ -500,11 +505,13 @@ class JobMemory:
         self.memory_limit = memory_limit
         self.limit: int | None = None  # bytes, once entered
         self.stream = None  # on CUDA, the job's stream, current in every thread of the job
+        self.thread: int | None = None  # the job's own thread, once entered: only it waits at the limit
         self._bound = False
 
     def __enter__(self) -> JobMemory:
         memory = self.memory
         memory._sessions[self.name] = self
+        self.thread = threading.get_ident()
         if memory.allocator == "waterwave":
             from wwrun.config import resolve_size
             from wwrun.memory import allocator

@@ -113,10 +113,11 @@ WAIT_POLL_S = 0.5
 """A waiting gate re-checks at least this often: a safety net, wake-ups are notified."""
 
 
-LIMIT_RETRY_S = 30.0
-"""At the limit, a job the plan has room for tries again while the device catches up
-(an ended job's tensors still dying) for at most this long without any other job
-freeing memory meanwhile; then its request fails (Engine.wait_at_limit)."""
+LIMIT_RETRY_S = 60.0
+"""At the limit a job waits (Engine.wait_at_limit) while the jobs' memory falls: once
+it has not fallen below its lowest so far for this long (every job stalled, or one
+held up by a lock the waiting job holds inside torch), its request fails, as without
+wwrun."""
 
 PERSISTENT_EVERY = 64
 """Persistent bytes are measured at the first two optimizer steps, then every this many."""
@@ -200,7 +201,7 @@ class _Job:
     failed: str | None = None
     no_room: bool = False  # failed for want of room beside the others, not alone
     waiting_since: float = 0.0  # nonzero while a request of the job waits
-    limit_retry: tuple[float, int] = (0.0, 0)  # at the limit, planned room not yet free: (since, releases then)
+    limit_wait: tuple[float, int] | None = None  # at the limit: since when, and the most room seen
     # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
@@ -301,7 +302,6 @@ class Engine:
         self._jobs: dict[str, _Job] = {}
         self._total = 0
         self._sentinels = 0  # group sentinels made (their keys)
-        self._releases = 0  # memory handed back (a job's held bytes fell, a job ended): wait_at_limit's clock
         self.peak_total = 0
         self.timeline = Timeline(time.perf_counter(), spans=trace)
         self._global_handles: list = []
@@ -408,7 +408,6 @@ class Engine:
             if capacity is not None:
                 self.set_capacity(capacity)
             self._install_global_hooks()
-            self._releases += 1
             self._cond.notify_all()
             for listener in self.release_listeners:  # nothing more to free: rule f stops waiting for it
                 listener(name, 0)
@@ -910,15 +909,17 @@ class Engine:
                 job.failed = self._too_large_message(job, max(state.claim or 0, state.held))
             self._wait_for_memory(job)
 
-    def wait_at_limit(self, name: str, nbytes: int) -> bool:
+    def wait_at_limit(self, name: str, nbytes: int, attempt: int = 0) -> bool:
         """The allocator cannot serve a request of `nbytes` of job `name`'s at the
-        limit (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): the
-        job outgrew what it was planned with (an evaluation on a larger batch than it
-        trains on, late in its run). A job that fits alone waits here, on its thread,
-        as a refused request does, until what it holds and asks for fits beside the
-        others and one of them has freed memory since; True: it tries again. False:
-        the request fails, as without wwrun: the job cannot fit even alone, or no
-        budget is planned. The one to give way when every job waits is raised here."""
+        limit (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h), for
+        the `attempt`th time: the job outgrew what it was planned with (an evaluation
+        on a larger batch than it trains on, late in its run). A job that fits alone
+        waits here, on its thread, as a refused request does, until the plan has room
+        for what it holds and asks for and the jobs hold less than ever since the
+        request came; True: it tries again. False: the request fails, as without
+        wwrun: the job cannot fit even alone, no budget is planned, the jobs' memory
+        did not fall for LIMIT_RETRY_S, or every job waits and this one, having
+        trained, gives way (one that has not starts again: NoRoomYet, raised here)."""
         job = self._jobs.get(name)
         if not self.gating or self.capacity is None or job is None or job.ended is not None or job.meter is None:
             return False
@@ -934,43 +935,73 @@ class Engine:
             need = job.meter(False)[0] + self._pages(nbytes)  # every page it holds, and the request's
             if need > self._budget:
                 return False  # not even alone: out of memory, as under python
+            # Before its first pass what grows is its model and data: persistent bytes.
+            setup = not job.passes and job.evaluating is None
             want = max(self._holding(job), need - state.persistent)
-            started, seen = time.perf_counter(), self._releases
-            while True:
-                decision = self.scheduler.request(name, want)
-                if decision is Decision.TOO_LARGE:
-                    return False
-                if decision is Decision.GRANT:
-                    since, releases = job.limit_retry
-                    if self._releases != seen or not since or releases != self._releases:
-                        job.limit_retry = (started, self._releases)  # something changed: try again
+            started = time.perf_counter()
+            if attempt == 0 or job.limit_wait is None:
+                job.limit_wait = (started, self._room_now())
+            since, most = job.limit_wait
+            state.at_limit = True  # the one to give way if every job waits
+            try:
+                while True:
+                    if setup:
+                        decision = self.scheduler.request_persistent(name, need)
+                    else:
+                        decision = self.scheduler.request(name, want)
+                    if decision is Decision.TOO_LARGE:
+                        return self._give_up_at_limit(job, started)
+                    room, now = self._room_now(), time.perf_counter()
+                    fell = room > most  # the jobs hold less than ever since it came
+                    if fell:
+                        since, most = now, room
+                    if decision is Decision.GRANT and (attempt == 0 or fell):
                         break
-                    if started - since > LIMIT_RETRY_S:  # planned room the device never freed
-                        job.limit_retry = (0.0, 0)
-                        self._report_held(job)  # the grant goes back: it fails as before
-                        return False
-                    self._cond.wait(WAIT_POLL_S)  # planned room, not yet free: a free may come
-                    break
-                try:
-                    self._wait_for_memory(job)
-                except NoRoomYet:
-                    if not job.iterations:
-                        raise  # nothing done yet: it starts again once a job has ended
-                    # Every job waits, and this one gives way. Started again, a job that
-                    # has trained would repeat what it did: its request fails, as it did
-                    # before it waited.
-                    job.failed, job.no_room, job.waiting_since = None, False, 0.0
-                    self._tell(job.name, "running")
-                    self._report_held(job)
-                    return False
+                    if now - since > LIMIT_RETRY_S:
+                        return self._give_up_at_limit(job, started)
+                    if decision is Decision.GRANT:
+                        self._cond.wait(WAIT_POLL_S)  # planned room the device has not freed yet
+                    else:
+                        try:
+                            self._wait_for_memory(job)
+                        except NoRoomYet:
+                            if not job.iterations:
+                                raise  # nothing done yet: it starts again once a job has ended
+                            # Every job waits and this one gives way. Started again, a job
+                            # that has trained would repeat what it did: its request fails.
+                            job.failed, job.no_room = None, False
+                            return self._give_up_at_limit(job, started)
+                    if job.ended is not None or self._jobs.get(name) is not job:
+                        return False  # abandoned meanwhile (a retry may hold the name)
+            finally:
+                state.at_limit = False
+            job.limit_wait = (since, most)
             if job.waiting_since:
                 self._tell(job.name, "running")
             job.waiting_since = 0.0
-            job.reserved = max(job.reserved, want)
+            if not setup:
+                job.reserved = max(job.reserved, want)
             self._waited(job, "wait limit", started)
-            for listener in self.release_listeners:
-                listener(job.name, want)
             return True
+
+    def _room_now(self) -> int:
+        """The budget less every page the running jobs hold, measured."""
+        return self._budget - sum(job.meter(False)[0] for job in self._jobs.values()
+                                  if job.ended is None and job.meter is not None)
+
+    def _give_up_at_limit(self, job: _Job, started: float) -> bool:
+        """wait_at_limit's end without room: the job's request fails (out of memory, as
+        under python), what it asked for goes back, and it is no longer waiting."""
+        self._waited(job, "wait limit", started)
+        job.limit_wait = None
+        if job.waiting_since:
+            self._tell(job.name, "running")
+        job.waiting_since = 0.0
+        state = self.scheduler.jobs.get(job.name)
+        if state is not None:
+            state.waiting = None
+        self._report_held(job)
+        return False
 
     def _wait_for_memory(self, job: _Job) -> None:
         """One wait of a refused request (under the lock); raises if the job failed."""
@@ -1269,7 +1300,6 @@ class Engine:
             return  # an ended attempt's late frees: a retry of the same name holds its own
         held = self._offload_cap(job, self._holding(job))
         self.scheduler.release(job.name, held)
-        self._releases += 1
         self._sample(job)
         self._cond.notify_all()
         for listener in self.release_listeners:

@@ -96,6 +96,7 @@ class JobState:
     attained_s: float = 0.0
     kind: object = None  # jobs of one kind are alike (Scheduler.alike_claim)
     guessed: bool = False  # its persistent bytes are the admission's guess, not yet its own
+    at_limit: bool = False  # waiting in the allocator at the limit: the first to give way (stuck_victim)
 
     @property
     def footprint(self) -> int:
@@ -391,15 +392,19 @@ class Scheduler:
 
     # ---- deadlock resolution -------------------------------------------------------
     def stuck_victim(self) -> str | None:
-        """When every active job waits and none can be granted, the job to fail: the
-        newest one being profiled (its size was unknown when it started)."""
+        """When every active job waits and none can be granted, the job to fail: one
+        waiting at the limit, else the newest one being profiled (its size was unknown
+        when it started)."""
         active = self.active()
         if not active or any(j.waiting is None for j in active):
             return None
         if any(self._safe(j, j.waiting) for j in active):
             return None  # someone can go: with everyone waiting, safety is the only rule
+        # One waiting at the limit outgrew its plan: it gives way first (it fails as it
+        # would have; the others' plans held). Then the newest being profiled.
+        at_limit = [j for j in active if j.at_limit]
         profiling = [j for j in active if j.profiling or j.pending_profile or j.claim is None]
-        victim = max(profiling or active, key=lambda j: j.seq)
+        victim = max(at_limit or profiling or active, key=lambda j: j.seq)
         victim.waiting = None
         victim.pending_profile = False
         return victim.name
