@@ -46,6 +46,23 @@ def _jobs(*jobs: tuple[str, list[str]]):
                                     for i, (script, args) in enumerate(jobs)])
 
 
+def _interrupt_once(events: Path, job: str, state: str, after_s: float = 0.0) -> None:
+    """Ctrl-C (SIGINT to this process, which runs the launch) `after_s` after the run's
+    events file first says `job` is in `state`; gives up after 60 s."""
+
+    def interrupt():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = events.read_text().splitlines() if events.exists() else []
+            if any(json.loads(line)["job"] == job and json.loads(line)["state"] == state for line in lines):
+                time.sleep(after_s)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+
+
 def _all_finish_within(result, limit):
     assert [job.state.value for job in result.jobs] == ["succeeded"] * len(result.jobs), \
         [job.error for job in result.jobs]
@@ -177,18 +194,8 @@ def test_ctrl_c_reaches_a_job_waiting_at_the_limit_as_under_python(tmp_path):
     gets Ctrl-C as a KeyboardInterrupt raised by the allocation that waits, inside
     its model's forward, and the run ends at once."""
     events = tmp_path / "events.jsonl"
-
-    def interrupt_while_waiting():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            lines = events.read_text().splitlines() if events.exists() else []
-            if any(json.loads(line)["job"] == "job1" and json.loads(line)["state"] == "waiting" for line in lines):
-                time.sleep(1)  # past the evaluation's start, a short wait: at the limit, until job0 ends
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.02)
-
-    threading.Thread(target=interrupt_while_waiting, daemon=True).start()
+    # 1 s past the evaluation's start (a short wait) it waits at the limit, until job0 ends.
+    _interrupt_once(events, "job1", "waiting", after_s=1)
     holder, late = _late_beside_holder(tmp_path, 100000)
     result = _launch(_jobs(holder, late), tmp_path, memory_limit=90 * MiB, events=str(events), grace_period_s=10)
     assert [(job.state.value, job.exit_code) for job in result.jobs] == [("interrupted", 130)] * 2, \
@@ -244,17 +251,7 @@ def test_ctrl_c_reaches_a_job_waiting_at_its_first_tensor_as_under_python(tmp_pa
     never takes a step) gets Ctrl-C as a KeyboardInterrupt raised by that
     allocation, where its own `except` sees it, and the run ends at once."""
     events = tmp_path / "events.jsonl"
-
-    def interrupt_once_queued():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            lines = events.read_text().splitlines() if events.exists() else []
-            if any(json.loads(line)["job"] == "job1" and json.loads(line)["state"] == "queued" for line in lines):
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.02)
-
-    threading.Thread(target=interrupt_once_queued, daemon=True).start()
+    _interrupt_once(events, "job1", "queued")
     script = str(SCRIPTS / "first_tensor.py")
     result = _launch(_jobs((script, ["hold", str(tmp_path)]), (script, ["guarded", str(tmp_path)])), tmp_path,
                      memory_limit=64 * MiB, events=str(events), grace_period_s=10)
