@@ -852,7 +852,7 @@ def _train_until_stopped(engine, name, model, progress, stop, out):
         x = torch.randn(4, 16)
         try:
             def in_backward(grad):  # tells the test while the layers' backward is ahead
-                with progress:
+                with progress._lock:  # see the finally below
                     out["steps"] += 1
                     progress.notify_all()
 
@@ -870,7 +870,11 @@ def _train_until_stopped(engine, name, model, progress, stop, out):
     finally:
         engine.job_finished(name)
         isolation.leave()
-        with progress:
+        # The lock's own (C) enter and exit, not the Condition's (Python): an interrupt
+        # landing at the start of Condition.__exit__ left the lock held by this ended
+        # thread, and the test waited on it for good (as the engine's own locks are
+        # taken, see Engine.__init__).
+        with progress._lock:
             out["ended"] = True
             progress.notify_all()
 
