@@ -217,6 +217,26 @@ def test_a_waiting_job_unblocks_another_only_by_holding_less():
     assert sched.request("b", 400) is Decision.WAIT
 
 
+def test_only_running_jobs_can_free_memory_for_a_waiting_one():
+    """others_can_free: a job waiting at the limit may count on another that runs, or
+    whose wait could be granted; not on one that waits in vain, nor a queued one."""
+    sched = Scheduler(1000)
+    profiled(sched, "a", 100, 400)
+    profiled(sched, "b", 100, 400)
+    assert sched.request("a", 400, pass_start=True) is Decision.GRANT
+    assert sched.request("a", 850) is Decision.WAIT  # a outgrew its plan: 100 + 850 + b's 100
+    assert sched.others_can_free("a")  # b runs
+    sched.jobs["b"].at_limit = True
+    assert not sched.others_can_free("a")  # b waits at the limit: it frees nothing meanwhile
+    sched.jobs["b"].at_limit = False
+    assert sched.request("b", 500, pass_start=True) is Decision.WAIT  # b outgrew its plan too
+    assert not sched.others_can_free("a")  # b waits in vain: nobody will free
+    sched.enqueue("c", 0)  # queued: it frees nothing
+    assert not sched.others_can_free("a")
+    sched.release("a", 0)  # a gave way: b's wait could now be granted
+    assert sched.others_can_free("a")
+
+
 def test_sharing_jobs_plan_the_whole_budget():
     """Under the allocator the budget is held pages, and a job's layout is its own:
     two jobs whose held bytes just fit run their passes at once, with nothing kept

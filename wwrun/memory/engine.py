@@ -917,9 +917,10 @@ class Engine:
         waits here, on its thread, as a refused request does, until the plan has room
         for what it holds and asks for and the jobs hold less than ever since the
         request came; True: it tries again. False: the request fails, as without
-        wwrun: the job cannot fit even alone, no budget is planned, the jobs' memory
-        did not fall for LIMIT_RETRY_S, or every job waits and this one, having
-        trained, gives way (one that has not starts again: NoRoomYet, raised here)."""
+        wwrun: the job cannot fit even alone, no budget is planned, no other running
+        job can free memory, the jobs' memory did not fall for LIMIT_RETRY_S, or every
+        job waits and this one, having trained, gives way (one that has not starts
+        again: NoRoomYet, raised here)."""
         job = self._jobs.get(name)
         if not self.gating or self.capacity is None or job is None or job.ended is not None or job.meter is None:
             return False
@@ -957,20 +958,24 @@ class Engine:
                         since, most = now, room
                     if decision is Decision.GRANT and (attempt == 0 or fell):
                         break
-                    if now - since > LIMIT_RETRY_S:
+                    if now - since > LIMIT_RETRY_S or not self.scheduler.others_can_free(name):
+                        # No job freed memory for that long, or none can: the queued
+                        # jobs wait for this one, and it would wait for them.
                         return self._give_up_at_limit(job, started)
-                    if decision is Decision.GRANT:
-                        self._cond.wait(WAIT_POLL_S)  # planned room the device has not freed yet
-                    else:
-                        try:
+                    try:
+                        if decision is Decision.GRANT:
+                            self._cond.wait(WAIT_POLL_S)  # planned room the device has not freed yet
+                            if job.failed:  # chosen to give way meanwhile (stuck_victim)
+                                raise (NoRoomYet if job.no_room else JobTooLarge)(job.failed)
+                        else:
                             self._wait_for_memory(job)
-                        except NoRoomYet:
-                            if not job.iterations:
-                                raise  # nothing done yet: it starts again once a job has ended
-                            # Every job waits and this one gives way. Started again, a job
-                            # that has trained would repeat what it did: its request fails.
-                            job.failed, job.no_room = None, False
-                            return self._give_up_at_limit(job, started)
+                    except NoRoomYet:
+                        if not job.iterations:
+                            raise  # nothing done yet: it starts again once a job has ended
+                        # Every job waits and this one gives way. Started again, a job
+                        # that has trained would repeat what it did: its request fails.
+                        job.failed, job.no_room = None, False
+                        return self._give_up_at_limit(job, started)
                     if job.ended is not None or self._jobs.get(name) is not job:
                         return False  # abandoned meanwhile (a retry may hold the name)
             finally:

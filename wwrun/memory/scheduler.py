@@ -330,12 +330,14 @@ class Scheduler:
             return True
         # The preferences give way when they would leave everyone waiting: then the
         # best ranked safe request goes (one always exists unless stuck_victim says so).
+        # A job waiting at the limit counts as waiting, and not as one that could go:
+        # the plan may have room for it that the device has not (Engine.wait_at_limit).
         others = [j for j in self.active() if j is not job]
-        if any(j.waiting is None for j in others):
+        if any(j.waiting is None and not j.at_limit for j in others):
             return False  # someone can still move
-        if any(self._preferred(j, j.waiting) and self._safe(j, j.waiting) for j in others):
+        if any(not j.at_limit and self._preferred(j, j.waiting) and self._safe(j, j.waiting) for j in others):
             return False
-        rivals = [j for j in others if self._safe(j, j.waiting)]
+        rivals = [j for j in others if not j.at_limit and self._safe(j, j.waiting)]
         return all(self._rank(job) < self._rank(j) for j in rivals)
 
     def _preferred(self, job: JobState, want: Want) -> bool:
@@ -391,19 +393,27 @@ class Scheduler:
         return True
 
     # ---- deadlock resolution -------------------------------------------------------
+    def others_can_free(self, name: str) -> bool:
+        """Whether another running job could free memory for job `name`: one that is
+        not waiting, or whose wait could be granted now. Queued jobs free nothing, nor
+        do jobs waiting at the limit."""
+        return any(j.name != name and not j.at_limit and (j.waiting is None or self._safe(j, j.waiting))
+                   for j in self.active())
+
     def stuck_victim(self) -> str | None:
         """When every active job waits and none can be granted, the job to fail: one
         waiting at the limit, else the newest one being profiled (its size was unknown
         when it started)."""
         active = self.active()
-        if not active or any(j.waiting is None for j in active):
+        if not active or any(j.waiting is None and not j.at_limit for j in active):
             return None
-        if any(self._safe(j, j.waiting) for j in active):
+        if any(not j.at_limit and self._safe(j, j.waiting) for j in active):
             return None  # someone can go: with everyone waiting, safety is the only rule
         # One waiting at the limit outgrew its plan: it gives way first (it fails as it
-        # would have; the others' plans held). Then the newest being profiled.
+        # would have; the others' plans held). Then the newest being profiled that has
+        # not trained yet (started again, one that has would repeat what it did).
         at_limit = [j for j in active if j.at_limit]
-        profiling = [j for j in active if j.profiling or j.pending_profile or j.claim is None]
+        profiling = [j for j in active if (j.profiling or j.pending_profile or j.claim is None) and not j.settled]
         victim = max(at_limit or profiling or active, key=lambda j: j.seq)
         victim.waiting = None
         victim.pending_profile = False
