@@ -1691,6 +1691,41 @@ def test_cpu_jobs_with_a_120_mib_temporary_take_turns_under_200_mib(cpu_allocato
     assert wwalloc.cpu_stats()["device"]["reserved_bytes"]["peak"] <= 200 * MiB
 
 
+def test_a_request_the_scheduler_lets_fail_first_takes_what_was_freed_meanwhile(cpu_allocator):
+    """At the limit the run's scheduler declines to make the job wait (Note [Waiting
+    at the limit]), but while it decided another job gave way and freed its memory:
+    the request is tried once more, as memory is then, and succeeds."""
+    cpu_allocator(40 * MiB)
+    held, give_way, gave_way = threading.Event(), threading.Event(), threading.Event()
+    asked = []
+
+    def holder(name):
+        x = torch.empty(30 * MiB, dtype=torch.uint8)
+        held.set()
+        give_way.wait(60)
+        del x
+        gave_way.set()
+
+    def asker(name):
+        held.wait(60)
+        y = torch.ones(30 * MiB, dtype=torch.uint8)
+        assert int(y[-1]) == 1
+
+    def at_limit(job, nbytes, attempt):
+        asked.append((job, nbytes, attempt))
+        give_way.set()
+        assert gave_way.wait(60)
+        return False  # no wait: as when the scheduler sees no job that could free memory
+
+    wwalloc.set_limit_callback(at_limit)
+    try:
+        errors = run_jobs(holder, asker)
+    finally:
+        wwalloc.set_limit_callback(None)
+    assert errors == {}
+    assert asked == [("job1", 30 * MiB, 0)]
+
+
 def test_jobs_waiting_for_each_other_s_frees_fail_one_not_both(cpu_allocator):
     """Each job holds half the memory and asks for as much again, expecting the
     other's frees: neither frees before rule f's deadline, and both would fail. The

@@ -219,16 +219,18 @@ def test_a_waiting_job_unblocks_another_only_by_holding_less():
 
 def test_only_running_jobs_can_free_memory_for_a_waiting_one():
     """others_can_free: a job waiting at the limit may count on another that runs, or
-    whose wait could be granted; not on one that waits in vain, nor a queued one."""
+    whose wait could be granted, or that waits at the limit too but came later (it
+    gives way first); not on one that waits in vain, nor a queued one."""
     sched = Scheduler(1000)
     profiled(sched, "a", 100, 400)
     profiled(sched, "b", 100, 400)
     assert sched.request("a", 400, pass_start=True) is Decision.GRANT
     assert sched.request("a", 850) is Decision.WAIT  # a outgrew its plan: 100 + 850 + b's 100
     assert sched.others_can_free("a")  # b runs
-    sched.jobs["b"].at_limit = True
-    assert not sched.others_can_free("a")  # b waits at the limit: it frees nothing meanwhile
-    sched.jobs["b"].at_limit = False
+    sched.jobs["a"].at_limit = sched.jobs["b"].at_limit = True
+    assert sched.others_can_free("a")  # b waits at the limit, newer: it gives way, and its memory comes free
+    assert not sched.others_can_free("b")  # nobody gives way for b: a came first
+    sched.jobs["a"].at_limit = sched.jobs["b"].at_limit = False
     assert sched.request("b", 500, pass_start=True) is Decision.WAIT  # b outgrew its plan too
     assert not sched.others_can_free("a")  # b waits in vain: nobody will free
     sched.enqueue("c", 0)  # queued: it frees nothing

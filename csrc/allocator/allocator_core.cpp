@@ -87,6 +87,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::chrono::steady_clock::time_point deadline;
   std::string why_not_wait;  // set when rule f finds a deadlock
   int limit_waits = 0;       // times g asked the run's scheduler (Note [Waiting at the limit])
+  bool last_try = false;     // the scheduler said no: one more try as memory is now, then fail
   Block* block = nullptr;
   std::size_t lacking = 0, spare = 0;  // at the latest try: pages missing, and free elsewhere
   for (;;) {
@@ -109,6 +110,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       continue;
     }
     if (map_under(lock, block, extent, stream, job, stage, lacking, spare, out)) break;
+    if (last_try) out_of_memory(job, bytes, size, limit_reached(lacking, spare));
 
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
@@ -133,26 +135,13 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
         stage = kRuleA;
         continue;
       }
+      // It fails as memory is when the scheduler said so, not as it was before:
+      // meanwhile another job may have given way (its frees are here now), and the
+      // message's figures would contradict each other. One more try, no wait.
+      last_try = true;
+      continue;
     }
-    // Said as it was at the latest try: the pages the request lacked, the
-    // whole free pages beside those it had (the budget's and idle ones: the
-    // report's free pages count those under the request too), and the limit if
-    // that is what stopped d.
-    if (why_not_wait.empty()) {
-      const std::size_t free_pages = spare;
-      std::ostringstream why;
-      if (!within_reserved_limit(lacking > free_pages ? (lacking - free_pages) * page_ : 0)) {
-        why << "the device memory limit of "
-            << format_bytes(static_cast<std::int64_t>(options_.reserved_limit)) << " is reached";
-      } else {
-        why << "the device gave no more pages";
-      }
-      why << " (it needs " << lacking << " pages of " << format_bytes(page_)
-          << " more than are mapped where it goes; " << free_pages
-          << " other reserved ones are free)";
-      why_not_wait = why.str();
-    }
-    out_of_memory(job, bytes, size, why_not_wait);
+    out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, spare) : why_not_wait);
   }
 
   // The lock may have been released above (d, e, f), and another thread of the
@@ -921,6 +910,22 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
     lock.lock();
   }
   return retry;
+}
+
+// Said as it was at the latest try: the pages the request lacked, the whole free
+// pages beside those it had (the budget's and idle ones: the report's free pages
+// count those under the request too), and the limit if that is what stopped d.
+std::string MemoryFlowAllocator::limit_reached(std::size_t lacking, std::size_t spare) const {
+  std::ostringstream why;
+  if (!within_reserved_limit(lacking > spare ? (lacking - spare) * page_ : 0)) {
+    why << "the device memory limit of " << format_bytes(static_cast<std::int64_t>(options_.reserved_limit))
+        << " is reached";
+  } else {
+    why << "the device gave no more pages";
+  }
+  why << " (it needs " << lacking << " pages of " << format_bytes(page_) << " more than are mapped where it goes; "
+      << spare << " other reserved ones are free)";
+  return why.str();
 }
 
 void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,

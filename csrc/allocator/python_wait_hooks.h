@@ -45,9 +45,13 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 // Engine.wait_at_limit) without its lock, with the GIL (python_call.h). It returns
 // true once the job may try again: the plan has room for it, and the jobs hold less
 // than ever since it came (a backward's progress, a step's end, a job's end). False:
-// the request fails as before: the job could not fit even alone, no scheduler plans
-// the run, or the jobs' memory did not fall for a bound (every job stalled, or one
-// held up by a lock inside torch that the waiting thread holds). When every job waits and none
+// the request fails: the job could not fit even alone, no scheduler plans the run,
+// no other job can free memory (of jobs waiting here, the newest gives way and the
+// others count on its frees), or the jobs' memory did not fall for a bound (every
+// job stalled, or one held up by a lock inside torch that the waiting thread
+// holds). It fails as memory is then: one more try without waiting, so that frees
+// made while the scheduler decided are used, and the message's figures are the
+// moment's. When every job waits and none
 // can go on, the scheduler makes one give way, the job waiting here first (what
 // the callback raises, the allocation raises); when rule f found every job it could
 // wait for waiting in the allocator, the request fails at once, as before. Only a

@@ -44,8 +44,9 @@
 //      [Rule f deadlock]);
 //   g. the run's scheduler decides (WaitHooks::at_limit, Note [Waiting at the
 //      limit] in python_wait_hooks.h): a job that fits alone waits there for
-//      another job's frees and tries again from a; otherwise
-//      fail: that job alone gets OutOfMemory, with a message naming the job, the
+//      another job's frees and tries again from a; otherwise it tries a-e once
+//      more, as memory is now, and then
+//      fails: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage, the device's usage by job, and what was free at
 //      the moment of the decision: whole pages, and the largest free run.
 // A job's own limit is checked first: beyond it the job goes straight to g.
@@ -562,6 +563,7 @@ class MemoryFlowAllocator {
   bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
                          std::chrono::steady_clock::time_point& deadline, std::string& why);
+  std::string limit_reached(std::size_t lacking, std::size_t spare) const;
   [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
                                   const std::string& why);
   void poll_deferred();

@@ -395,10 +395,18 @@ class Scheduler:
     # ---- deadlock resolution -------------------------------------------------------
     def others_can_free(self, name: str) -> bool:
         """Whether another running job could free memory for job `name`: one that is
-        not waiting, or whose wait could be granted now. Queued jobs free nothing, nor
-        do jobs waiting at the limit."""
-        return any(j.name != name and not j.at_limit and (j.waiting is None or self._safe(j, j.waiting))
-                   for j in self.active())
+        not waiting, or whose wait could be granted now, or one waiting at the limit
+        that came after it: of jobs stuck there the newest gives way first (as in
+        stuck_victim), and what it held comes free for the others. Queued jobs free
+        nothing."""
+        me = self.jobs[name]
+
+        def frees(j: JobState) -> bool:
+            if j.at_limit:
+                return j.seq > me.seq  # it gives way before this one does
+            return j.waiting is None or self._safe(j, j.waiting)
+
+        return any(frees(j) for j in self.active() if j.name != name)
 
     def stuck_victim(self) -> str | None:
         """When every active job waits and none can be granted, the job to fail: one
