@@ -785,6 +785,24 @@ def test_a_job_with_no_room_beside_the_others_starts_again_when_one_ends(tmp_pat
     assert result.jobs[1].started >= result.jobs[0].ended
 
 
+def test_a_job_that_does_not_fit_yet_is_no_end_that_starts_another_again(tmp_path):
+    """Two jobs that do not fit beside a running one both wait for its end: one
+    queued again for want of room frees only what it had just taken, so it does not
+    start the other again (two such jobs took turns failing, each starting the
+    other, while the job they waited for ran on)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    jobs = [
+        JobSpec(name="early", script=str(SCRIPTS / "wait_for_file.py"), args=[str(first), str(second), "--linger", "1"]),
+        JobSpec(name="late1", script=str(SCRIPTS / "no_room_once.py"), args=[str(first)]),
+        JobSpec(name="late2", script=str(SCRIPTS / "no_room_once.py"), args=[str(second)]),
+    ]
+    result = run(tmp_path, *jobs, policy="concurrent")
+    assert [j.state.value for j in result.jobs] == ["succeeded"] * 3, result.to_dict()
+    early = result.jobs[0]
+    assert all(late.started >= early.ended for late in result.jobs[1:])
+    assert [late.extra["attempts"] for late in result.jobs[1:]] == [1, 1]
+
+
 def test_a_job_waiting_for_room_is_queued_with_its_reason_not_failed(tmp_path):
     """Not fitting beside the running jobs is a wait, not an error: no traceback in the
     job's output, the display and the events say what it waits for, and its

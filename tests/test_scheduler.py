@@ -308,6 +308,18 @@ def test_higher_priority_job_starts_first():
     assert sched.try_start("high")
 
 
+def test_no_newcomer_starts_while_a_job_waits_at_the_limit():
+    """A job waiting at the limit lacks pages the plan counts as free: a newcomer
+    let in on them would take what it waits for."""
+    sched = Scheduler(1000)
+    profiled(sched, "a", 100, 200)
+    sched.enqueue("b", 0)
+    sched.jobs["a"].at_limit = True
+    assert not sched.try_start("b")
+    sched.jobs["a"].at_limit = False
+    assert sched.try_start("b")
+
+
 def test_newcomers_wait_until_the_running_jobs_optimizer_state_is_known():
     sched = Scheduler(1000)
     sched.enqueue("a")

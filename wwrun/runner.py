@@ -444,7 +444,6 @@ class Runner:
         the run, as the config says. Called under `_cond`."""
         result = job.result
         result.ended = time.time()
-        self._ends += 1
         if job.stop is not None:  # the launcher ended it: its code and reason, whatever the script did
             code, error = job.stop
             if abandoned:
@@ -469,7 +468,8 @@ class Runner:
             job.attempts -= 1
             job.no_room_since = time.monotonic()
             self._requeue(job, NO_ROOM_YET)
-            return
+            return  # not an end: it freed only what it had just taken, and others wait for an end
+        self._ends += 1
         if code != 0:
             write_error_json(job, code, error)
         if state == JobState.FAILED and self._may_retry(job):

@@ -980,6 +980,7 @@ class Engine:
                         return False  # abandoned meanwhile (a retry may hold the name)
             finally:
                 state.at_limit = False
+                self._cond.notify_all()  # newcomers wait while a job waits here (Scheduler.try_start)
             job.limit_wait = (since, most)
             if job.waiting_since:
                 self._tell(job.name, "running")

@@ -162,6 +162,8 @@ class Scheduler:
             return True
         if any(not j.settled or j.claim is None or j.profiling or j.pending_profile for j in active):
             return False  # size the running jobs before adding one more
+        if any(j.at_limit for j in active):
+            return False  # one lacks pages the plan counts as free: a newcomer would take what it waits for
         persistent = sum(j.persistent for j in active) + self._guess_persistent()
         return persistent + max(j.claim for j in active) <= self.capacity
 
