@@ -49,8 +49,8 @@ inline std::shared_ptr<AdmissionGate>& thread_gate() {
   return gate;
 }
 
-inline PyObject*& admission_callback() {
-  static PyObject* callback = nullptr;  // a new reference, or null
+inline PythonCallback& admission_callback() {
+  static PythonCallback callback;
   return callback;
 }
 
@@ -82,25 +82,7 @@ inline void open_admission(const std::string& job) {
   admission_gates().erase(found);
 }
 
-// Called with the GIL held (a binding).
-inline void set_admission_callback(PyObject* callback) {
-  Py_XINCREF(callback);
-  PyObject* previous = admission_callback();
-  admission_callback() = callback;
-  Py_XDECREF(previous);
-}
-
-inline void await_admission_slow(AdmissionGate& gate) {
-  if (!Py_IsInitialized()) return;
-  call_python_waiting([&]() -> PyObject* {
-    PyObject* callback = admission_callback();
-    if (callback == nullptr) Py_RETURN_NONE;
-    Py_INCREF(callback);
-    PyObject* result = PyObject_CallFunction(callback, "s", gate.job.c_str());
-    Py_DECREF(callback);
-    return result;
-  });
-}
+inline void await_admission_slow(AdmissionGate& gate) { admission_callback().call(false, "s", gate.job.c_str()); }
 
 // On torch's allocation path, before a job thread allocates: returns once its job
 // may (Note [Admission at the first allocation]).

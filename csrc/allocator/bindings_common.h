@@ -124,11 +124,11 @@ inline void register_scheduler_callbacks(py::module_& m) {
   m.def("close_admission", &close_admission);
   m.def("open_admission", &open_admission);
   m.def("set_admission_callback", [](py::object callback) {
-    set_admission_callback(callback.is_none() ? nullptr : callback.ptr());
+    admission_callback().set(callback.is_none() ? nullptr : callback.ptr());
   });
   // Note [Waiting at the limit]
   m.def("set_limit_callback", [](py::object callback) {
-    set_limit_callback(callback.is_none() ? nullptr : callback.ptr());
+    limit_callback().set(callback.is_none() ? nullptr : callback.ptr());
   });
 }
 

@@ -44,4 +44,33 @@ bool call_python_waiting(Call call) {
   return truth;
 }
 
+// A Python callable the run registers (the admission gate's, the limit's), called
+// from the allocation path through call_python_waiting.
+class PythonCallback {
+ public:
+  // With the GIL held (a binding); null: none.
+  void set(PyObject* callback) {
+    Py_XINCREF(callback);
+    PyObject* previous = callback_;
+    callback_ = callback;
+    Py_XDECREF(previous);
+  }
+  // Calls it with Py_BuildValue's `format` and `args`; `unset` when none is set.
+  template <typename... Args>
+  bool call(bool unset, const char* format, Args... args) {
+    if (!Py_IsInitialized()) return unset;
+    return call_python_waiting([&]() -> PyObject* {
+      PyObject* callback = callback_;
+      if (callback == nullptr) return PyBool_FromLong(unset);
+      Py_INCREF(callback);  // set() may drop it while the call runs
+      PyObject* result = PyObject_CallFunction(callback, format, args...);
+      Py_DECREF(callback);
+      return result;
+    });
+  }
+
+ private:
+  PyObject* callback_ = nullptr;  // a new reference, or null
+};
+
 }  // namespace wwrun::alloc

@@ -57,30 +57,13 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 // wait for waiting in the allocator, the request fails at once, as before. Only a
 // job's own thread waits here: not the autograd thread, not a thread the job
 // started, not a forked child's (a DataLoader worker).
-inline PyObject*& limit_callback() {
-  static PyObject* callback = nullptr;  // a new reference, or null
+inline PythonCallback& limit_callback() {
+  static PythonCallback callback;
   return callback;
 }
 
-// Called with the GIL held (a binding).
-inline void set_limit_callback(PyObject* callback) {
-  Py_XINCREF(callback);
-  PyObject* previous = limit_callback();
-  limit_callback() = callback;
-  Py_XDECREF(previous);
-}
-
 inline bool wait_at_limit(const std::string& job, std::size_t bytes, int attempt) {
-  if (!Py_IsInitialized()) return false;
-  return call_python_waiting([&]() -> PyObject* {
-    PyObject* callback = limit_callback();
-    if (callback == nullptr) Py_RETURN_FALSE;
-    Py_INCREF(callback);
-    PyObject* result =
-        PyObject_CallFunction(callback, "sni", job.c_str(), static_cast<Py_ssize_t>(bytes), attempt);
-    Py_DECREF(callback);
-    return result;
-  });
+  return limit_callback().call(false, "sni", job.c_str(), static_cast<Py_ssize_t>(bytes), attempt);
 }
 
 // A lock the thread holds for another part of wwrun (wait_release.h: the per-job
