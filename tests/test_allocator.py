@@ -360,7 +360,7 @@ def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     assert "19.00 MiB" in message  # the request
     assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
     # What was free when it failed, as it was: the 28 pages cut out of A's range.
-    assert "it needs 38 pages of 0.50 MiB more than are mapped where it goes; 28 other reserved ones are free" in message
+    assert "it needs 38 pages of 0.50 MiB besides the 0 mapped where it goes; 28 other reserved ones are free)" in message
     assert "14.00 MiB reserved but free: 28 whole pages (14.00 MiB), 28 of them takeable now" in message
     assert alloc.stats()["rules"]["g"] == 1
     assert alloc.job_stats("B")["num_ooms"] == 1
@@ -448,7 +448,8 @@ def test_out_of_memory_counts_as_free_only_the_pages_a_request_could_take():
         alloc.alloc(PAGE, B)
     message = str(error.value)
     assert "the device memory limit of 1.00 MiB is reached" in message
-    assert "it needs 1 pages of 0.50 MiB more than are mapped where it goes; 0 other reserved ones are free" in message
+    assert ("it needs 1 pages of 0.50 MiB besides the 0 mapped where it goes; 0 other reserved ones are free, "
+            "and the limit has room for 0 more)") in message
     assert "reserved but free: 1 whole pages (0.50 MiB), 0 of them takeable now" in message
 
 

@@ -89,7 +89,8 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   int limit_waits = 0;       // times g asked the run's scheduler (Note [Waiting at the limit])
   bool last_try = false;     // the scheduler said no: one more try as memory is now, then fail
   Block* block = nullptr;
-  std::size_t lacking = 0, spare = 0;  // at the latest try: pages missing, and free elsewhere
+  // At the latest try: pages missing under the request, mapped there, and free elsewhere.
+  std::size_t lacking = 0, there = 0, spare = 0;
   for (;;) {
     block = take_free_block(pools_[job][pool_index(size)], size, stream, out);  // a, b, c
     if (block == nullptr) {  // d. a range of the job's own (Note [Layouts])
@@ -109,8 +110,8 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       freed_cv_.wait(lock, [&] { return !mapping_; });  // bounded: map_under's waits are
       continue;
     }
-    if (map_under(lock, block, extent, stream, job, stage, lacking, spare, out)) break;
-    if (last_try) out_of_memory(job, bytes, size, limit_reached(lacking, spare));
+    if (map_under(lock, block, extent, stream, job, stage, lacking, there, spare, out)) break;
+    if (last_try) out_of_memory(job, bytes, size, limit_reached(lacking, there, spare));
 
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
@@ -141,7 +142,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       last_try = true;
       continue;
     }
-    out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, spare) : why_not_wait);
+    out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
   }
 
   // The lock may have been released above (d, e, f), and another thread of the
@@ -278,15 +279,17 @@ std::vector<std::size_t> MemoryFlowAllocator::unmapped_slots(const Block* block,
 // marked allocated, so that nothing takes, merges or cuts it while the lock is
 // released) and maps the pages under the request's bytes that are not mapped.
 // True with the block held; false, with it back in its pool, `lacking` the
-// pages it needed and `spare` the whole free pages not under the request, when
-// they cannot be had. Pages are mapped under one block
+// pages it needed, `there` those mapped under the request already and `spare` the
+// whole free pages not under the request, when they cannot be had. Pages are mapped under one block
 // at a time (`mapping_`, Note [Locking]): two held blocks sharing a page would
 // each map it, and each zero the other's bytes.
 bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, StreamId stream,
                                     JobId job, int& stage, std::size_t& lacking,
-                                    std::size_t& spare, Allocation& out) {
+                                    std::size_t& there, std::size_t& spare, Allocation& out) {
   const std::vector<std::size_t> slots = unmapped_slots(block, size);
   lacking = slots.size();
+  const std::size_t start = static_cast<std::size_t>(block->ptr - block->segment->base);
+  there = (start + size - 1) / page_ - start / page_ + 1 - lacking;
   unlink_free(block);
   block->allocated = true;
   if (slots.empty()) return true;
@@ -912,10 +915,16 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
   return retry;
 }
 
-// Said as it was at the latest try: the pages the request lacked, the whole free
-// pages beside those it had (the budget's and idle ones: the report's free pages
-// count those under the request too), and the limit if that is what stopped d.
-std::string MemoryFlowAllocator::limit_reached(std::size_t lacking, std::size_t spare) const {
+// Said as it was at the latest try: the pages the request lacked, those mapped
+// where it goes, the whole free pages elsewhere (the budget's and idle ones: the
+// report's free pages count those under the request too), the pages the limit
+// leaves room for, and the limit if that is what stopped d.
+std::string MemoryFlowAllocator::limit_reached(std::size_t lacking, std::size_t there, std::size_t spare) const {
+  std::size_t under_limit = 0;
+  if (options_.reserved_limit != 0) {
+    const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+    if (reserved < options_.reserved_limit) under_limit = (options_.reserved_limit - reserved) / page_;
+  }
   std::ostringstream why;
   if (!within_reserved_limit(lacking > spare ? (lacking - spare) * page_ : 0)) {
     why << "the device memory limit of " << format_bytes(static_cast<std::int64_t>(options_.reserved_limit))
@@ -923,8 +932,10 @@ std::string MemoryFlowAllocator::limit_reached(std::size_t lacking, std::size_t 
   } else {
     why << "the device gave no more pages";
   }
-  why << " (it needs " << lacking << " pages of " << format_bytes(page_) << " more than are mapped where it goes; "
-      << spare << " other reserved ones are free)";
+  why << " (it needs " << lacking << " pages of " << format_bytes(page_) << " besides the " << there
+      << " mapped where it goes; " << spare << " other reserved ones are free";
+  if (options_.reserved_limit != 0) why << ", and the limit has room for " << under_limit << " more";
+  why << ")";
   return why.str();
 }
 

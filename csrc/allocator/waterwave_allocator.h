@@ -513,7 +513,8 @@ class MemoryFlowAllocator {
   // Runs of bytes zeroed on their way from one job to another: (start, bytes).
   using ZeroRuns = std::vector<std::pair<char*, std::size_t>>;
   bool map_under(Lock& lock, Block* block, std::size_t size, StreamId stream, JobId job,
-                 int& stage, std::size_t& lacking, std::size_t& spare, Allocation& out);
+                 int& stage, std::size_t& lacking, std::size_t& there, std::size_t& spare,
+                 Allocation& out);
   bool take_pages(Lock& lock, std::size_t count, JobId job, std::vector<FreePage>& pages);
   void map_pages(Block* block, const std::vector<std::size_t>& slots,
                  const std::vector<FreePage>& pages, JobId job, ZeroRuns& zero_runs);
@@ -563,7 +564,7 @@ class MemoryFlowAllocator {
   bool is_shared_stream(StreamId stream) const;
   bool wait_for_releases(Lock& lock, JobId job,
                          std::chrono::steady_clock::time_point& deadline, std::string& why);
-  std::string limit_reached(std::size_t lacking, std::size_t spare) const;
+  std::string limit_reached(std::size_t lacking, std::size_t there, std::size_t spare) const;
   [[noreturn]] void out_of_memory(JobId job, std::size_t bytes, std::size_t rounded,
                                   const std::string& why);
   void poll_deferred();
