@@ -922,7 +922,7 @@ bool MemoryFlowAllocator::wait_for_releases(Lock& lock, JobId job,
 std::string MemoryFlowAllocator::limit_reached(std::size_t lacking, std::size_t there, std::size_t spare) const {
   std::size_t under_limit = 0;
   if (options_.reserved_limit != 0) {
-    const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+    const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_;
     if (reserved < options_.reserved_limit) under_limit = (options_.reserved_limit - reserved) / page_;
   }
   std::ostringstream why;
