@@ -189,6 +189,22 @@ def test_a_job_that_outgrows_its_plan_late_waits_at_the_limit_instead_of_running
     assert read(result.jobs[1]) == read(alone.jobs[0])
 
 
+def test_a_job_at_the_limit_waits_for_what_an_ended_job_left_behind_to_die(tmp_path):
+    """An ended job's thread still holds 32 MiB for 3 s (the engine plans without
+    it) as a job that fits alone evaluates on a batch that needs them. Its request
+    waits at the limit until they are freed and then succeeds; it ran out of memory
+    at once, as if it could not fit even alone."""
+    ended = str(tmp_path / "ended")
+    leaves = (str(SCRIPTS / "leaves_memory_behind.py"), ["32", "3", ended])
+    late = (str(SCRIPTS / "late_evaluation.py"), ["20", "5", "32", ended])
+    alone = _launch(_jobs((late[0], late[1][:3])), tmp_path / "alone", policy="concurrent")
+    result = _launch(_jobs(leaves, late), tmp_path / "together", memory_limit=90 * MiB)
+    _all_finish_within(result, 90 * MiB)
+    read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
+    assert read(result.jobs[1]) == read(alone.jobs[0])
+    assert alone.jobs[0].extra["peak_memory_bytes"] + 32 * MiB > 90 * MiB  # they do not fit side by side
+
+
 def test_ctrl_c_reaches_a_job_waiting_at_the_limit_as_under_python(tmp_path):
     """A job waiting at the limit (its late evaluation beside a job that trains on)
     gets Ctrl-C as a KeyboardInterrupt raised by the allocation that waits, inside

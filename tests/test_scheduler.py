@@ -310,13 +310,17 @@ def test_higher_priority_job_starts_first():
 
 def test_no_newcomer_starts_while_a_job_waits_at_the_limit():
     """A job waiting at the limit lacks pages the plan counts as free: a newcomer
-    let in on them would take what it waits for."""
+    let in on them would take what it waits for, there or between two of its waits
+    in the pass that came to the limit."""
     sched = Scheduler(1000)
     profiled(sched, "a", 100, 200)
     sched.enqueue("b", 0)
     sched.jobs["a"].at_limit = True
     assert not sched.try_start("b")
     sched.jobs["a"].at_limit = False
+    sched.jobs["a"].outgrown = True  # between two of its waits there, in one pass
+    assert not sched.try_start("b")
+    sched.jobs["a"].outgrown = False  # that pass ended
     assert sched.try_start("b")
 
 

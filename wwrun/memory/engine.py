@@ -404,9 +404,7 @@ class Engine:
             self._set_persistent(job, 0)
             job.discovering = False
             self.scheduler.finish(name)
-            capacity = self.capacity_source() if self.capacity_source is not None else None
-            if capacity is not None:
-                self.set_capacity(capacity)
+            self._measure_budget()
             self._install_global_hooks()
             self._cond.notify_all()
             for listener in self.release_listeners:  # nothing more to free: rule f stops waiting for it
@@ -663,6 +661,7 @@ class Engine:
         model, signature, baseline, kept = job.evaluating
         job.evaluating = None
         with self._lock:
+            self._pass_fits_again(job)
             if baseline is not None:
                 now, peak = job.meter(True)
                 job.iter_peak = max(job.iter_peak, peak)
@@ -691,6 +690,7 @@ class Engine:
         self._pop_sentinel(current)
         current.node_names = {}
         with self._lock:
+            self._pass_fits_again(job)
             if current.plan is None and not failed:
                 self._finish_profile(job, current)
                 if offload is not None and offload.job.provisional:
@@ -917,10 +917,11 @@ class Engine:
         waits here, on its thread, as a refused request does, until the plan has room
         for what it holds and asks for and the jobs hold less than ever since the
         request came; True: it tries again. False: the request fails, as without
-        wwrun: the job cannot fit even alone, no budget is planned, no other running
-        job can free memory, the jobs' memory did not fall for LIMIT_RETRY_S, or every
-        job waits and this one, having trained, gives way (one that has not starts
-        again: NoRoomYet, raised here)."""
+        wwrun: the job cannot fit even alone (in the budget the run started with), no
+        budget is planned, no other running job can free memory (memory ended jobs
+        left, still dying, is waited for), the jobs' memory did not fall for
+        LIMIT_RETRY_S, or every job waits and this one, having trained, gives way (one
+        that has not starts again: NoRoomYet, raised here)."""
         job = self._jobs.get(name)
         if not self.gating or self.capacity is None or job is None or job.ended is not None or job.meter is None:
             return False
@@ -928,13 +929,8 @@ class Engine:
             state = self.scheduler.jobs.get(name)
             if state is None or job.admitted is None:
                 return False
-            # The budget as it is now: what ended jobs still held as they ended (their
-            # last tensors dying) is measured again, or a job that fits alone is not.
-            capacity = self.capacity_source() if self.capacity_source is not None else None
-            if capacity is not None and capacity != self.capacity:
-                self.set_capacity(capacity)
             need = job.meter(False)[0] + self._pages(nbytes)  # every page it holds, and the request's
-            if need > self._budget:
+            if need > self.limit_bytes - self.limit_bytes % self.page_bytes:
                 return False  # not even alone: out of memory, as under python
             # Before its first pass what grows is its model and data: persistent bytes.
             setup = not job.passes and job.evaluating is None
@@ -943,10 +939,17 @@ class Engine:
             if attempt == 0 or job.limit_wait is None:
                 job.limit_wait = (started, self._room_now())
             since, most = job.limit_wait
-            state.at_limit = True  # the one to give way if every job waits
+            state.at_limit = state.outgrown = True  # the one to give way if every job waits
             try:
                 while True:
-                    if setup:
+                    # The budget as it is now: what ended jobs held as they ended is
+                    # measured again (their last tensors die after them). While it is
+                    # what keeps the job out, it waits for it, within the bound.
+                    self._measure_budget()
+                    outlived = need > self._budget
+                    if outlived:
+                        decision = Decision.WAIT
+                    elif setup:
                         decision = self.scheduler.request_persistent(name, need)
                     else:
                         decision = self.scheduler.request(name, want)
@@ -958,13 +961,13 @@ class Engine:
                         since, most = now, room
                     if decision is Decision.GRANT and (attempt == 0 or fell):
                         break
-                    if now - since > LIMIT_RETRY_S or not self.scheduler.others_can_free(name):
+                    if now - since > LIMIT_RETRY_S or not (outlived or self.scheduler.others_can_free(name)):
                         # No job freed memory for that long, or none can: the queued
                         # jobs wait for this one, and it would wait for them.
                         return self._give_up_at_limit(job, started)
                     try:
-                        if decision is Decision.GRANT:
-                            self._cond.wait(WAIT_POLL_S)  # planned room the device has not freed yet
+                        if decision is Decision.GRANT or outlived:
+                            self._cond.wait(WAIT_POLL_S)  # room the device has not freed yet
                             if job.failed:  # chosen to give way meanwhile (stuck_victim)
                                 raise (NoRoomYet if job.no_room else JobTooLarge)(job.failed)
                         else:
@@ -980,7 +983,7 @@ class Engine:
                         return False  # abandoned meanwhile (a retry may hold the name)
             finally:
                 state.at_limit = False
-                self._cond.notify_all()  # newcomers wait while a job waits here (Scheduler.try_start)
+                self._cond.notify_all()  # it no longer counts as waiting here
             job.limit_wait = (since, most)
             if job.waiting_since:
                 self._tell(job.name, "running")
@@ -989,6 +992,12 @@ class Engine:
                 job.reserved = max(job.reserved, want)
             self._waited(job, "wait limit", started)
             return True
+
+    def _measure_budget(self) -> None:
+        """Under the lock: the budget as it is now (capacity_source), measured."""
+        capacity = self.capacity_source() if self.capacity_source is not None else None
+        if capacity is not None and capacity != self.capacity:
+            self.set_capacity(capacity)
 
     def _room_now(self) -> int:
         """The budget less every page the running jobs hold, measured."""
@@ -1006,8 +1015,17 @@ class Engine:
         state = self.scheduler.jobs.get(job.name)
         if state is not None:
             state.waiting = None
+        self._pass_fits_again(job)
         self._report_held(job)
         return False
+
+    def _pass_fits_again(self, job: _Job) -> None:
+        """Under the lock: the pass in which the job came to the limit is over (or
+        it gave way there): newcomers may start again (Scheduler.try_start)."""
+        state = self.scheduler.jobs.get(job.name)
+        if state is not None and state.outgrown:
+            state.outgrown = False
+            self._cond.notify_all()
 
     def _wait_for_memory(self, job: _Job) -> None:
         """One wait of a refused request (under the lock); raises if the job failed."""

@@ -97,6 +97,7 @@ class JobState:
     kind: object = None  # jobs of one kind are alike (Scheduler.alike_claim)
     guessed: bool = False  # its persistent bytes are the admission's guess, not yet its own
     at_limit: bool = False  # waiting in the allocator at the limit: the first to give way (stuck_victim)
+    outgrown: bool = False  # came to the limit in its pass in progress: no newcomer starts until it ends
 
     @property
     def footprint(self) -> int:
@@ -162,8 +163,10 @@ class Scheduler:
             return True
         if any(not j.settled or j.claim is None or j.profiling or j.pending_profile for j in active):
             return False  # size the running jobs before adding one more
-        if any(j.at_limit for j in active):
-            return False  # one lacks pages the plan counts as free: a newcomer would take what it waits for
+        if any(j.at_limit or j.outgrown for j in active):
+            # One lacks pages the plan counts as free, or did in its pass in progress
+            # (it tries again between its waits): a newcomer would take them.
+            return False
         persistent = sum(j.persistent for j in active) + self._guess_persistent()
         return persistent + max(j.claim for j in active) <= self.capacity
 
