@@ -111,7 +111,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       continue;
     }
     if (map_under(lock, block, extent, stream, job, stage, lacking, there, spare, out)) break;
-    if (last_try) out_of_memory(job, bytes, size, limit_reached(lacking, there, spare));
+    if (last_try) out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
 
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
@@ -125,15 +125,17 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
 
     // g. The run's scheduler first (Note [Waiting at the limit]): a job that fits
     // alone waits there, without our lock, for other jobs' frees, and tries again.
-    // Not when f found every job it could wait for waiting here: this one gives way.
+    // Also when f found every job it could wait for waiting here: the scheduler sees
+    // every job (who has trained, who can start again) and chooses who gives way.
     const WaitHooks& hooks = options_.wait_hooks;
-    if (why_not_wait.empty() && hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
+    if (hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
       const std::string name = jobs_[job].name;
       lock.unlock();
       const bool room = hooks.at_limit(name, size, limit_waits++);  // may throw: the lock is not held
       lock.lock();
       if (room) {
         stage = kRuleA;
+        why_not_wait.clear();
         continue;
       }
       // It fails as memory is when the scheduler said so, not as it was before:
@@ -850,8 +852,9 @@ Block* MemoryFlowAllocator::carve(Block* block, std::size_t size, std::size_t re
 // Note [Rule f deadlock]. Jobs that wait here free nothing while they wait. If
 // every job the caller could wait for is already waiting (each for the others'
 // frees), none will free before the deadline, and all of them would fail when it
-// passes. The caller, the latest to arrive, fails at once instead: its frees, as
-// its exception unwinds, wake the others. A waiter that a free has woken (it has
+// passes. The caller, the latest to arrive, stops waiting at once instead: the
+// run's scheduler (rule g) chooses who gives way, and with none it fails: its
+// frees, as its exception unwinds, wake the others. A waiter that a free has woken (it has
 // not yet retried) is not stuck. Only job threads wait (WaitHooks), one
 // per job, so a waiting job has stopped; frees from its unmarked threads (a
 // DataLoader's) still wake a waiter, and the deadline still bounds every wait.

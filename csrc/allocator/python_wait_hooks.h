@@ -53,8 +53,10 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 // made while the scheduler decided are used, and the message's figures are the
 // moment's. When every job waits and none
 // can go on, the scheduler makes one give way, the job waiting here first (what
-// the callback raises, the allocation raises); when rule f found every job it could
-// wait for waiting in the allocator, the request fails at once, as before. Only a
+// the callback raises, the allocation raises). When rule f found every job it could
+// wait for waiting in the allocator, the callback decides too: it sees every job
+// (which has trained, which can start again), where rule f alone failed the latest
+// to arrive (a makemore MLP in its last evaluation). Only a
 // job's own thread waits here: not the autograd thread, not a thread the job
 // started, not a forked child's (a DataLoader worker).
 inline PythonCallback& limit_callback() {

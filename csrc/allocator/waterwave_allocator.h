@@ -39,9 +39,9 @@
 //      their events); then d is tried again;
 //   f. when other jobs are running and will free memory (set_expected_releases),
 //      wait a bounded time for their frees, then retry. When every such job is
-//      itself waiting here, none will free: the latest to arrive fails at once
-//      instead, and one failing gives the other waiters a new bound (Note
-//      [Rule f deadlock]);
+//      itself waiting here, none will free: the latest to arrive goes to g at
+//      once instead (with no scheduler it fails), and one failing gives the
+//      other waiters a new bound (Note [Rule f deadlock]);
 //   g. the run's scheduler decides (WaitHooks::at_limit, Note [Waiting at the
 //      limit] in python_wait_hooks.h): a job that fits alone waits there for
 //      another job's frees and tries again from a; otherwise it tries a-e once
