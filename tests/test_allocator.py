@@ -360,7 +360,8 @@ def test_out_of_memory_names_the_job_the_request_and_usage_by_job():
     assert "19.00 MiB" in message  # the request
     assert "A 6.00 MiB" in message and "B 0.00 MiB" in message  # usage by job
     # What was free when it failed, as it was: the 28 pages cut out of A's range.
-    assert "it needs 38 pages of 0.50 MiB besides the 0 mapped where it goes; 28 other reserved ones are free)" in message
+    assert ("it needs 38 pages of 0.50 MiB besides the 0 mapped where it goes; "
+            "28 other reserved ones are free)") in message
     assert "14.00 MiB reserved but free: 28 whole pages (14.00 MiB), 28 of them takeable now" in message
     assert alloc.stats()["rules"]["g"] == 1
     assert alloc.job_stats("B")["num_ooms"] == 1

@@ -792,7 +792,8 @@ def test_a_job_that_does_not_fit_yet_is_no_end_that_starts_another_again(tmp_pat
     other, while the job they waited for ran on)."""
     first, second = tmp_path / "first", tmp_path / "second"
     jobs = [
-        JobSpec(name="early", script=str(SCRIPTS / "wait_for_file.py"), args=[str(first), str(second), "--linger", "1"]),
+        JobSpec(name="early", script=str(SCRIPTS / "wait_for_file.py"),
+                args=[str(first), str(second), "--linger", "1"]),
         JobSpec(name="late1", script=str(SCRIPTS / "no_room_once.py"), args=[str(first)]),
         JobSpec(name="late2", script=str(SCRIPTS / "no_room_once.py"), args=[str(second)]),
     ]
