@@ -13,6 +13,7 @@ from torch import nn
 
 from wwrun.config import format_size
 from wwrun.memory.engine import Engine, JobTooLarge
+from wwrun.memory.scheduler import Want
 
 F32 = 4
 
@@ -127,6 +128,39 @@ def test_three_jobs_over_budget_all_finish_interleaved_under_the_limit():
     for n in "abc":
         others = [spans[o] for o in "abc" if o != n]
         assert any(start < spans[n][1] and spans[n][0] < end for start, end in others)
+
+
+def test_a_waiter_that_makes_another_job_give_way_lets_go_of_the_lock_for_it():
+    """When every job waits, a waiter makes one give way (the job waiting at the
+    limit first) and waits on: the chosen job needs the engine's lock to see it. A
+    newcomer's admission loop that chose it again and again held the lock for good,
+    and the run hung (makemore under 20MiB)."""
+    engine = Engine(1 << 30, "waterwave")
+    for name in ("at_limit", "newcomer"):
+        engine.job_started(name, admit=False)
+        engine.scheduler.enqueue(name)
+        engine.scheduler.jobs[name].started = True  # both running
+    engine.scheduler.jobs["at_limit"].at_limit = True
+    engine.scheduler.jobs["newcomer"].waiting = Want(2 << 30, None, False, False)  # never safe
+    stop, chose = threading.Event(), threading.Event()
+
+    def newcomer():  # as Engine._persistent_admission waits, under the lock
+        with engine._lock:
+            while not stop.is_set():
+                engine._wait_for_memory(engine._jobs["newcomer"])
+                chose.set()
+
+    thread = threading.Thread(target=newcomer)
+    thread.start()
+    try:
+        assert chose.wait(30)
+        assert engine._lock.acquire(timeout=30), "the waiter kept the engine's lock"
+        assert engine._jobs["at_limit"].failed and engine._jobs["at_limit"].no_room  # it was told to give way
+        engine._lock.release()
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
 
 
 def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():

@@ -1052,7 +1052,9 @@ class Engine:
             self._cond.notify_all()
             if victim == job.name:
                 raise NoRoomYet(job.failed)
-            return
+        # Waits even when another job was made to give way: it needs the lock to see
+        # that, and one waiting at the limit is chosen again until it has (a newcomer
+        # choosing it in a loop held the lock for good).
         self._cond.wait(WAIT_POLL_S)
 
     def _too_large_message(self, job: _Job, held: int) -> str:
