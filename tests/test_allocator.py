@@ -1749,6 +1749,38 @@ def test_jobs_waiting_for_each_other_s_frees_fail_one_not_both(cpu_allocator):
     assert wwalloc.cpu_stats()["device"]["num_release_deadlocks"] == 1
 
 
+def test_jobs_waiting_for_each_other_s_frees_leave_who_gives_way_to_the_run_s_scheduler(cpu_allocator):
+    """As above, but with the run's scheduler at hand (its limit callback): the
+    job that finds every job waiting asks it (Note [Waiting at the limit]) instead
+    of failing at once, since it sees which job has trained and which can start
+    again. Told no, it fails, and the other goes on with what it frees."""
+    cpu_allocator(64 * MiB)
+    both_hold = threading.Barrier(2, timeout=60)
+    asked = []
+
+    def body(name):
+        x = torch.ones(30 * MiB, dtype=torch.uint8)
+        both_hold.wait()
+        y = torch.ones(30 * MiB, dtype=torch.uint8)
+        assert int(x[0]) + int(y[-1]) == 2
+
+    def at_limit(job, nbytes, attempt):
+        asked.append(job)
+        return False
+
+    wwalloc.cpu_set_expected_releases(["job0", "job1"], timeout_s=60.0)
+    wwalloc.set_limit_callback(at_limit)
+    try:
+        errors = run_jobs(body, body)
+    finally:
+        wwalloc.set_limit_callback(None)
+    assert len(errors) == 1, errors
+    (failed,) = errors
+    assert isinstance(errors[failed], torch.OutOfMemoryError)
+    assert asked == [failed]  # the scheduler decided, at once: no bound passed first
+    assert wwalloc.cpu_stats()["device"]["num_release_deadlocks"] == 1
+
+
 def test_a_forked_dataloader_under_the_cpu_allocator_does_not_deadlock(tmp_path):
     """Two fork workers while another job's thread allocates and frees without
     pause: a lock held at fork time is remade in the child (pthread_atfork)."""
