@@ -91,6 +91,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   Block* block = nullptr;
   // At the latest try: pages missing under the request, mapped there, and free elsewhere.
   std::size_t lacking = 0, there = 0, spare = 0;
+  const auto fail = [&] {  // as it was at the latest try, unless f found a deadlock
+    out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
+  };
   for (;;) {
     block = take_free_block(pools_[job][pool_index(size)], size, stream, out);  // a, b, c
     if (block == nullptr) {  // d. a range of the job's own (Note [Layouts])
@@ -111,7 +114,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       continue;
     }
     if (map_under(lock, block, extent, stream, job, stage, lacking, there, spare, out)) break;
-    if (last_try) out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
+    if (last_try) fail();
 
     // f. wait, bounded, for the frees of jobs that are about to release memory.
     if (stage < kRuleF) {
@@ -144,7 +147,7 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       last_try = true;
       continue;
     }
-    out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
+    fail();
   }
 
   // The lock may have been released above (d, e, f), and another thread of the

@@ -339,9 +339,11 @@ class Engine:
         quickstart under 23.7 MiB planned 1.7 MiB no request could have). A bound the
         engine sets on a job's need is checked against it too, so that it never makes
         the job "too large" by the part of a page the scheduler cannot plan."""
-        if self.capacity is None:
-            return None
-        return max(self.page_bytes, self.capacity - self.capacity % self.page_bytes)
+        return None if self.capacity is None else self._whole_pages(self.capacity)
+
+    def _whole_pages(self, nbytes: int) -> int:
+        """The whole pages in `nbytes`, at least one."""
+        return max(self.page_bytes, nbytes - nbytes % self.page_bytes)
 
     def job_started(self, name: str, priority: int = 0, *, admit: bool = True) -> None:
         """In the job's thread, before its script runs. With `admit`, waits here while
@@ -887,9 +889,7 @@ class Engine:
                     self._park(job)
                     continue
                 self._wait_for_memory(job)
-            if job.waiting_since:
-                self._tell(job.name, "running")
-            job.waiting_since = 0.0
+            self._stop_waiting(job)
             job.reserved = want
             self._waited(job, "wait g", started, group)
             self._sample(job)
@@ -906,9 +906,7 @@ class Engine:
         while True:
             decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
             if decision is Decision.GRANT:
-                if job.waiting_since:
-                    self._tell(job.name, "running")
-                job.waiting_since = 0.0
+                self._stop_waiting(job)
                 return
             if decision is Decision.TOO_LARGE and self._start_offload(job, 0):
                 continue
@@ -938,7 +936,7 @@ class Engine:
             if state is None or job.admitted is None:
                 return False
             need = job.meter(False)[0] + self._pages(nbytes)  # every page it holds, and the request's
-            if need > self.limit_bytes - self.limit_bytes % self.page_bytes:
+            if need > self._whole_pages(self.limit_bytes):
                 return False  # not even alone: out of memory, as under python
             # Before its first pass what grows is its model and data: persistent bytes.
             setup = not job.passes and job.evaluating is None
@@ -993,9 +991,7 @@ class Engine:
                 state.at_limit = False
                 self._cond.notify_all()  # it no longer counts as waiting here
             job.limit_wait = (since, most)
-            if job.waiting_since:
-                self._tell(job.name, "running")
-            job.waiting_since = 0.0
+            self._stop_waiting(job)
             if not setup:
                 job.reserved = max(job.reserved, want)
             self._waited(job, "wait limit", started)
@@ -1017,9 +1013,7 @@ class Engine:
         under python), what it asked for goes back, and it is no longer waiting."""
         self._waited(job, "wait limit", started)
         job.limit_wait = None
-        if job.waiting_since:
-            self._tell(job.name, "running")
-        job.waiting_since = 0.0
+        self._stop_waiting(job)
         state = self.scheduler.jobs.get(job.name)
         if state is not None:
             state.waiting = None
@@ -1034,6 +1028,12 @@ class Engine:
         if state is not None and state.outgrown:
             state.outgrown = False
             self._cond.notify_all()
+
+    def _stop_waiting(self, job: _Job) -> None:
+        """Under the lock: the job's request was granted, or failed; it goes on."""
+        if job.waiting_since:
+            self._tell(job.name, "running")
+        job.waiting_since = 0.0
 
     def _wait_for_memory(self, job: _Job) -> None:
         """One wait of a refused request (under the lock); raises if the job failed."""
