@@ -238,6 +238,22 @@ def test_a_job_at_the_limit_fails_as_under_python_once_no_job_frees_anything_for
     assert result.jobs[1].wall_s < 15  # and gave up long before the holder ended
 
 
+def test_of_two_jobs_that_outgrow_their_plans_at_once_one_gives_way_and_says_so(tmp_path):
+    """Two jobs each hold 40 MiB of temporaries no plan foresaw and each asks for 20
+    more under a 90 MiB limit: alone each fits, together neither can go on, and no
+    swap is built. The newer gives way: its request fails with out of memory saying
+    it fits alone and gave way, and to whom; the other goes on and finishes."""
+    script = str(SCRIPTS / "outgrows_together.py")
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    result = _launch(_jobs((script, ["20", first, second]), (script, ["20", second, first])), tmp_path,
+                     memory_limit=90 * MiB)
+    assert [job.state.value for job in result.jobs] == ["succeeded", "failed"], [job.error for job in result.jobs]
+    error = result.jobs[1].error
+    assert "is out of memory" in error and "memory limit of 90.00 MiB is reached" in error, error
+    assert "it gives way to 'job0', there first (alone it would fit" in error, error
+    assert result.extra["peak_reserved_bytes"] <= 90 * MiB
+
+
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):
     """nanoGPT evaluates at step 0, before it trains: a newcomer's first pass under
     no_grad is measured as a profile is, alone, not taken for one keeping nothing (three

@@ -1781,6 +1781,34 @@ def test_jobs_waiting_for_each_other_s_frees_leave_who_gives_way_to_the_run_s_sc
     assert wwalloc.cpu_stats()["device"]["num_release_deadlocks"] == 1
 
 
+def test_a_request_the_scheduler_lets_fail_says_why_after_the_allocator_s_figures(cpu_allocator):
+    """As above, the scheduler told no, now with its reason (a str): the error says
+    what the allocator saw at the limit, then that reason, in place of rule f's
+    "waiting for memory too", which the scheduler, seeing every job, overrules."""
+    cpu_allocator(64 * MiB)
+    both_hold = threading.Barrier(2, timeout=60)
+
+    def body(name):
+        x = torch.ones(30 * MiB, dtype=torch.uint8)
+        both_hold.wait()
+        y = torch.ones(30 * MiB, dtype=torch.uint8)
+        assert int(x[0]) + int(y[-1]) == 2
+
+    wwalloc.cpu_set_expected_releases(["job0", "job1"], timeout_s=60.0)
+    wwalloc.set_limit_callback(lambda job, nbytes, attempt: f"{job} gives way, as its scheduler says")
+    try:
+        errors = run_jobs(body, body)
+    finally:
+        wwalloc.set_limit_callback(None)
+    assert len(errors) == 1, errors
+    (failed,) = errors
+    said = str(errors[failed])
+    assert isinstance(errors[failed], torch.OutOfMemoryError)
+    assert "memory limit of 64.00 MiB is reached (it needs 60 pages of 0.50 MiB" in said, said
+    assert f"; {failed} gives way, as its scheduler says. Job '{failed}' has 30.00 MiB allocated" in said, said
+    assert "waiting for memory too" not in said
+
+
 def test_a_forked_dataloader_under_the_cpu_allocator_does_not_deadlock(tmp_path):
     """Two fork workers while another job's thread allocates and frees without
     pause: a lock held at fork time is remade in the child (pthread_atfork)."""

@@ -163,6 +163,43 @@ def test_a_waiter_that_makes_another_job_give_way_lets_go_of_the_lock_for_it():
     assert not thread.is_alive()
 
 
+def test_a_wait_for_memory_that_ctrl_c_ends_leaves_the_job_no_longer_waiting():
+    """Ctrl-C reaches a job waiting for room for its model (a KeyboardInterrupt raised
+    in its thread, as the launcher raises it): the script may catch it and go on, so
+    the job is no longer waiting, nor asking the scheduler for anything. It stayed
+    marked as waiting, and its old request counted in the scheduler's choices."""
+    from wwrun import isolation
+
+    engine = Engine(1 << 30, "waterwave")
+    for name in ("holder", "newcomer"):
+        engine.job_started(name, admit=False)
+        engine.scheduler.enqueue(name)
+        engine.scheduler.jobs[name].started = True
+    assert engine.scheduler.request_persistent("holder", 900 << 20).value == "grant"
+    newcomer = engine._jobs["newcomer"]
+    newcomer.persistent_reserved = 500 << 20  # does not fit beside the holder's
+    raised = []
+
+    def admit():
+        try:
+            with engine._lock:
+                engine._persistent_admission(newcomer)
+        except KeyboardInterrupt as interrupt:
+            raised.append(interrupt)
+
+    thread = threading.Thread(target=admit)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not newcomer.waiting_since and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert newcomer.waiting_since, "it never waited"
+    assert isolation.interrupt(thread.ident)
+    thread.join(30)
+    assert not thread.is_alive() and raised
+    assert not newcomer.waiting_since
+    assert engine.scheduler.jobs["newcomer"].waiting is None
+
+
 def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():
     """a holds a whole pass of activations (stopped before its backward); b's next
     forward enters the groups that fit and waits at the entry of the one that does

@@ -82,7 +82,7 @@ inline void open_admission(const std::string& job) {
   admission_gates().erase(found);
 }
 
-inline void await_admission_slow(AdmissionGate& gate) { admission_callback().call(false, "s", gate.job.c_str()); }
+inline void await_admission_slow(AdmissionGate& gate) { admission_callback().call(python_truth, false, "s", gate.job.c_str()); }
 
 // On torch's allocation path, before a job thread allocates: returns once its job
 // may (Note [Admission at the first allocation]).

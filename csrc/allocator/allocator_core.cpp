@@ -91,7 +91,11 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
   Block* block = nullptr;
   // At the latest try: pages missing under the request, mapped there, and free elsewhere.
   std::size_t lacking = 0, there = 0, spare = 0;
+  std::string scheduler_said;  // why the run's scheduler let it fail (g), if it said
   const auto fail = [&] {  // as it was at the latest try, unless f found a deadlock
+    if (!scheduler_said.empty()) {
+      out_of_memory(job, bytes, size, limit_reached(lacking, there, spare) + "; " + scheduler_said);
+    }
     out_of_memory(job, bytes, size, why_not_wait.empty() ? limit_reached(lacking, there, spare) : why_not_wait);
   };
   for (;;) {
@@ -134,9 +138,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
     if (hooks.at_limit && (!hooks.may_wait || hooks.may_wait())) {
       const std::string name = jobs_[job].name;
       lock.unlock();
-      const bool room = hooks.at_limit(name, size, limit_waits++);  // may throw: the lock is not held
+      WaitHooks::LimitAnswer answer = hooks.at_limit(name, size, limit_waits++);  // may throw: unlocked
       lock.lock();
-      if (room) {
+      if (answer.retry) {
         stage = kRuleA;
         why_not_wait.clear();
         continue;
@@ -144,7 +148,9 @@ Allocation MemoryFlowAllocator::allocate(std::size_t bytes, StreamId stream) {
       // It fails as memory is when the scheduler said so, not as it was before:
       // meanwhile another job may have given way (its frees are here now), and the
       // message's figures would contradict each other. One more try, no wait.
+      // Its reason replaces f's: the scheduler saw every job.
       last_try = true;
+      scheduler_said = std::move(answer.why);
       continue;
     }
     fail();

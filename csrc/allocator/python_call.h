@@ -16,22 +16,24 @@
 
 namespace wwrun::alloc {
 
-// `call()` runs with the GIL and returns a new reference or null (an error set).
-// Returns the result's truth; throws python_error if it raised.
-template <typename Call>
-bool call_python_waiting(Call call) {
+// `call()` runs with the GIL and returns a new reference or null (an error set);
+// `convert(result)` reads it, with the GIL. Returns what convert made; throws
+// python_error if the call raised.
+template <typename Call, typename Convert>
+auto call_python_waiting(Call call, Convert convert) {
   auto* held = wwrun::current_wait_release();
   if (held) held->release();
   const PyGILState_STATE state = PyGILState_Ensure();
-  bool raised = false, truth = false;
+  bool raised = false;
+  decltype(convert(nullptr)) answer{};
   python_error error;
   PyObject* result = call();
   if (result == nullptr) {
     error.persist();  // fetched with the GIL: raised again by the binding that called torch
     raised = true;
   } else {
-    truth = PyObject_IsTrue(result) == 1;
-    if (PyErr_Occurred()) PyErr_Clear();  // an object without a truth value: false
+    answer = convert(result);
+    if (PyErr_Occurred()) PyErr_Clear();  // an object convert could not read: its default
     Py_DECREF(result);
   }
   if (held) {  // taken back without the GIL: its next holder may need the GIL while holding it
@@ -41,8 +43,11 @@ bool call_python_waiting(Call call) {
   }
   PyGILState_Release(state);
   if (raised) throw std::move(error);
-  return truth;
+  return answer;
 }
+
+// A result's truth (an object without one: false).
+inline bool python_truth(PyObject* result) { return PyObject_IsTrue(result) == 1; }
 
 // A Python callable the run registers (the admission gate's, the limit's), called
 // from the allocation path through call_python_waiting.
@@ -55,18 +60,26 @@ class PythonCallback {
     callback_ = callback;
     Py_XDECREF(previous);
   }
-  // Calls it with Py_BuildValue's `format` and `args`; `unset` when none is set.
-  template <typename... Args>
-  bool call(bool unset, const char* format, Args... args) {
+  // Calls it with Py_BuildValue's `format` and `args` and returns what
+  // `convert` reads from its result (python_truth: its truth); `unset` when none is set.
+  template <typename Convert, typename... Args>
+  auto call(Convert convert, decltype(convert(nullptr)) unset, const char* format, Args... args) {
     if (!Py_IsInitialized()) return unset;
-    return call_python_waiting([&]() -> PyObject* {
-      PyObject* callback = callback_;
-      if (callback == nullptr) return PyBool_FromLong(unset);
-      Py_INCREF(callback);  // set() may drop it while the call runs
-      PyObject* result = PyObject_CallFunction(callback, format, args...);
-      Py_DECREF(callback);
-      return result;
-    });
+    bool none = false;
+    auto answer = call_python_waiting(
+        [&]() -> PyObject* {
+          PyObject* callback = callback_;
+          if (callback == nullptr) {
+            none = true;
+            Py_RETURN_NONE;
+          }
+          Py_INCREF(callback);  // set() may drop it while the call runs
+          PyObject* result = PyObject_CallFunction(callback, format, args...);
+          Py_DECREF(callback);
+          return result;
+        },
+        convert);
+    return none ? unset : answer;
   }
 
  private:

@@ -45,8 +45,9 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 // Engine.wait_at_limit) without its lock, with the GIL (python_call.h). It returns
 // true once the job may try again: the plan has room for it, and the jobs hold less
 // than ever since it came (a backward's progress, a step's end, a job's end). False:
-// the request fails: the job could not fit even alone, no scheduler plans the run,
-// no other job can free memory (of jobs waiting here, the newest gives way and the
+// the request fails: the job could not fit even alone, or no scheduler plans the
+// run. A str: it fails, and the str says why, after the allocator's figures: no
+// other job can free memory (of jobs waiting here, the newest gives way and the
 // others count on its frees), or the jobs' memory did not fall for a bound (every
 // job stalled, or one held up by a lock inside torch that the waiting thread
 // holds). It fails as memory is then: one more try without waiting, so that frees
@@ -64,8 +65,21 @@ inline PythonCallback& limit_callback() {
   return callback;
 }
 
-inline bool wait_at_limit(const std::string& job, std::size_t bytes, int attempt) {
-  return limit_callback().call(false, "sni", job.c_str(), static_cast<Py_ssize_t>(bytes), attempt);
+// The callback's answer: true (try again), false (fail), or a str: fail, and why.
+inline WaitHooks::LimitAnswer read_limit_answer(PyObject* result) {
+  WaitHooks::LimitAnswer answer;
+  if (PyUnicode_Check(result)) {
+    const char* why = PyUnicode_AsUTF8(result);
+    if (why != nullptr) answer.why = why;
+  } else {
+    answer.retry = python_truth(result);
+  }
+  return answer;
+}
+
+inline WaitHooks::LimitAnswer wait_at_limit(const std::string& job, std::size_t bytes, int attempt) {
+  return limit_callback().call(read_limit_answer, WaitHooks::LimitAnswer{}, "sni", job.c_str(),
+                               static_cast<Py_ssize_t>(bytes), attempt);
 }
 
 // A lock the thread holds for another part of wwrun (wait_release.h: the per-job

@@ -401,10 +401,15 @@ struct WaitHooks {
   std::function<void(void*)> after;
   // Rule g's last word (Note [Waiting at the limit]): called without the lock for
   // a job thread's request that would fail, with the job's name, the request's
-  // bytes and how many times this request has been here before; true once there
-  // may be room for it (it is tried again from a), false: it fails. May throw (an
+  // bytes and how many times this request has been here before; `retry` once there
+  // may be room for it (it is tried again from a), else it fails, and `why`, when
+  // set, says why the scheduler let it (the message's last clause). May throw (an
   // error the allocation raises).
-  std::function<bool(const std::string&, std::size_t, int)> at_limit;
+  struct LimitAnswer {
+    bool retry = false;
+    std::string why;
+  };
+  std::function<LimitAnswer(const std::string&, std::size_t, int)> at_limit;
 };
 
 struct Options {

@@ -361,11 +361,11 @@ class Memory:
 
         allocator.open_admission(name, self.device)
 
-    def _at_limit(self, name: str, nbytes: int, attempt: int) -> bool:
+    def _at_limit(self, name: str, nbytes: int, attempt: int) -> bool | str:
         """The allocator's last word before a job thread's request fails at the limit
         (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): a job that
         fits alone waits for the others' frees (`Engine.wait_at_limit`); True: it
-        tries again. Only on the job's own thread (one it started would die of the
+        tries again; a str: it fails, and this says why. Only on the job's own thread (one it started would die of the
         job's giving way), not in a forked child (a DataLoader worker: no other job
         frees there), not inside an import (a running job may need its lock)."""
         session = self._sessions.get(name)

@@ -447,12 +447,13 @@ def set_admission_callback(callback: Callable[[str], None] | None, device: str =
     _serving(device).set_admission_callback(callback)
 
 
-def set_limit_callback(callback: Callable[[str, int, int], bool] | None, device: str = "cpu") -> None:
+def set_limit_callback(callback: Callable[[str, int, int], bool | str] | None, device: str = "cpu") -> None:
     """What a job thread calls when its request would fail at the limit (Note [Waiting
     at the limit] in csrc/allocator/python_wait_hooks.h): `callback(job, nbytes,
     attempt)` (attempt: how many times this request came before) returns True once
     the job may try again (it waited for other jobs' frees), False to let the request
-    fail; what it raises, the allocation raises."""
+    fail, or a str to let it fail saying why (the out-of-memory message ends with
+    it); what it raises, the allocation raises."""
     _serving(device).set_limit_callback(callback)
 
 

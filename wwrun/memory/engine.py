@@ -876,19 +876,23 @@ class Engine:
                 target = max(target, whole_claim)
             want = self._offload_cap(job, max(job.retained, job.reserved, target))
             started = time.perf_counter()
-            while True:
-                decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
-                if decision is Decision.GRANT:
-                    break
-                if decision is Decision.TOO_LARGE and self._start_offload(job, want):
-                    want = self._offload_cap(job, want)
-                    continue
-                if decision is Decision.TOO_LARGE:
-                    job.failed = self._too_large_message(job, want)
-                elif not pass_start and not profile and self._worth_parking(job):
-                    self._park(job)
-                    continue
-                self._wait_for_memory(job)
+            try:
+                while True:
+                    decision = self.scheduler.request(job.name, want, pass_start=pass_start, profile=profile)
+                    if decision is Decision.GRANT:
+                        break
+                    if decision is Decision.TOO_LARGE and self._start_offload(job, want):
+                        want = self._offload_cap(job, want)
+                        continue
+                    if decision is Decision.TOO_LARGE:
+                        job.failed = self._too_large_message(job, want)
+                    elif not pass_start and not profile and self._worth_parking(job):
+                        self._park(job)
+                        continue
+                    self._wait_for_memory(job)
+            except BaseException:
+                self._abandon_wait(job)
+                raise
             self._stop_waiting(job)
             job.reserved = want
             self._waited(job, "wait g", started, group)
@@ -903,19 +907,23 @@ class Engine:
         """A newly found model's persistent bytes, before its first profiled pass."""
         if not self.gating:
             return
-        while True:
-            decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
-            if decision is Decision.GRANT:
-                self._stop_waiting(job)
-                return
-            if decision is Decision.TOO_LARGE and self._start_offload(job, 0):
-                continue
-            if decision is Decision.TOO_LARGE:
-                state = self.scheduler.jobs[job.name]
-                job.failed = self._too_large_message(job, max(state.claim or 0, state.held))
-            self._wait_for_memory(job)
+        try:
+            while True:
+                decision = self.scheduler.request_persistent(job.name, job.persistent_reserved)
+                if decision is Decision.GRANT:
+                    self._stop_waiting(job)
+                    return
+                if decision is Decision.TOO_LARGE and self._start_offload(job, 0):
+                    continue
+                if decision is Decision.TOO_LARGE:
+                    state = self.scheduler.jobs[job.name]
+                    job.failed = self._too_large_message(job, max(state.claim or 0, state.held))
+                self._wait_for_memory(job)
+        except BaseException:
+            self._abandon_wait(job)
+            raise
 
-    def wait_at_limit(self, name: str, nbytes: int, attempt: int = 0) -> bool:
+    def wait_at_limit(self, name: str, nbytes: int, attempt: int = 0) -> bool | str:
         """The allocator cannot serve a request of `nbytes` of job `name`'s at the
         limit (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h), for
         the `attempt`th time: the job outgrew what it was planned with (an evaluation
@@ -923,11 +931,13 @@ class Engine:
         waits here, on its thread, as a refused request does, until the plan has room
         for what it holds and asks for and the jobs hold less than ever since the
         request came; True: it tries again. False: the request fails, as without
-        wwrun: the job cannot fit even alone (in the budget the run started with), no
-        budget is planned, no other running job can free memory (memory ended jobs
+        wwrun: no budget is planned, the job cannot fit even alone (in the budget the
+        run started with), no other running job can free memory (memory ended jobs
         left, still dying, is waited for), the jobs' memory did not fall for
         LIMIT_RETRY_S, or every job waits and this one, having trained, gives way (one
-        that has not starts again: NoRoomYet, raised here)."""
+        that has not starts again: NoRoomYet, raised here). Where a budget is planned
+        the str that says why is returned instead of False: the allocator's message
+        ends with it (Note [Waiting at the limit])."""
         job = self._jobs.get(name)
         if not self.gating or self.capacity is None or job is None or job.ended is not None or job.meter is None:
             return False
@@ -936,8 +946,10 @@ class Engine:
             if state is None or job.admitted is None:
                 return False
             need = job.meter(False)[0] + self._pages(nbytes)  # every page it holds, and the request's
-            if need > self._whole_pages(self.limit_bytes):
-                return False  # not even alone: out of memory, as under python
+            if need > self._whole_pages(self.limit_bytes):  # out of memory, as under python
+                from wwrun.config import format_size
+
+                return f"it would hold {format_size(need)} with what it holds: it cannot fit even alone"
             # Before its first pass what grows is its model and data: persistent bytes.
             setup = not job.passes and job.evaluating is None
             want = max(self._holding(job), need - state.persistent)
@@ -960,17 +972,21 @@ class Engine:
                     else:
                         decision = self.scheduler.request(name, want)
                     if decision is Decision.TOO_LARGE:
-                        return self._give_up_at_limit(job, started)
+                        return self._give_up_at_limit(job, started, self._budget_too_small(need))
                     room, now = self._room_now(), time.perf_counter()
                     fell = room > most  # the jobs hold less than ever since it came
                     if fell:
                         since, most = now, room
                     if decision is Decision.GRANT and (attempt == 0 or fell):
                         break
-                    if now - since > LIMIT_RETRY_S or not (outlived or self.scheduler.others_can_free(name)):
-                        # No job freed memory for that long, or none can: the queued
-                        # jobs wait for this one, and it would wait for them.
-                        return self._give_up_at_limit(job, started)
+                    if now - since > LIMIT_RETRY_S:
+                        return self._give_up_at_limit(job, started, (
+                            f"no job's memory fell for {LIMIT_RETRY_S:g} s while it waited"
+                            f" ({self._fits_alone(need)})"))
+                    if not (outlived or self.scheduler.others_can_free(name)):
+                        # None can free: the queued jobs wait for this one, and it
+                        # would wait for them.
+                        return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     try:
                         if decision is Decision.GRANT or outlived:
                             self._cond.wait(WAIT_POLL_S)  # room the device has not freed yet
@@ -984,9 +1000,12 @@ class Engine:
                         # Every job waits and this one gives way. Started again, a job
                         # that has trained would repeat what it did: its request fails.
                         job.failed, job.no_room = None, False
-                        return self._give_up_at_limit(job, started)
+                        return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     if job.ended is not None or self._jobs.get(name) is not job:
                         return False  # abandoned meanwhile (a retry may hold the name)
+            except BaseException:  # Ctrl-C, or NoRoomYet: it starts again
+                self._give_up_at_limit(job, started, "")
+                raise
             finally:
                 state.at_limit = False
                 self._cond.notify_all()  # it no longer counts as waiting here
@@ -1008,18 +1027,41 @@ class Engine:
         return self._budget - sum(job.meter(False)[0] for job in self._jobs.values()
                                   if job.ended is None and job.meter is not None)
 
-    def _give_up_at_limit(self, job: _Job, started: float) -> bool:
+    def _give_up_at_limit(self, job: _Job, started: float, why: str) -> str:
         """wait_at_limit's end without room: the job's request fails (out of memory, as
-        under python), what it asked for goes back, and it is no longer waiting."""
+        under python), what it asked for goes back, and it is no longer waiting.
+        Returns `why`, which the allocator's message ends with."""
         self._waited(job, "wait limit", started)
         job.limit_wait = None
-        self._stop_waiting(job)
-        state = self.scheduler.jobs.get(job.name)
-        if state is not None:
-            state.waiting = None
+        self._abandon_wait(job)
         self._pass_fits_again(job)
         self._report_held(job)
-        return False
+        return why
+
+    def _fits_alone(self, need: int) -> str:
+        """Said of a request that fails at the limit although the job fits alone."""
+        from wwrun.config import format_size
+
+        return f"alone it would fit: it would hold {format_size(need)} of the {format_size(self._budget)} planned"
+
+    def _budget_too_small(self, need: int) -> str:
+        from wwrun.config import format_size
+
+        return (f"the {format_size(need)} it would hold exceeds the {format_size(self.capacity)} the"
+                f" jobs are planned in, the limit less what no running job holds")
+
+    def _none_can_free(self, name: str, need: int) -> str:
+        """Why no job will free memory for job `name`, waiting at the limit: the jobs
+        that could are waiting there too and came first (it gives way to them), or
+        they wait for this one (queued, or refused)."""
+        me = self.scheduler.jobs[name]
+        others = [j for j in self.scheduler.active() if j.name != name]
+        first = [j.name for j in others if j.at_limit and j.seq < me.seq]
+        if first:
+            return (f"every job that could free memory for it waits at the limit too, and it gives way to"
+                    f" {', '.join(map(repr, first))}, there first ({self._fits_alone(need)})")
+        return (f"no running job can free memory for it ({', '.join(repr(j.name) for j in others) or 'none'}"
+                f" wait for it; {self._fits_alone(need)})")
 
     def _pass_fits_again(self, job: _Job) -> None:
         """Under the lock: the pass in which the job came to the limit is over (or
@@ -1028,6 +1070,16 @@ class Engine:
         if state is not None and state.outgrown:
             state.outgrown = False
             self._cond.notify_all()
+
+    def _abandon_wait(self, job: _Job) -> None:
+        """Under the lock: a wait for memory ended in an exception (Ctrl-C, a job told
+        to give way, one too large): the job no longer waits, nor asks for anything,
+        whether its script ends now or catches the exception and goes on."""
+        self._stop_waiting(job)
+        state = self.scheduler.jobs.get(job.name)
+        if state is not None:
+            state.waiting = None
+        self._cond.notify_all()
 
     def _stop_waiting(self, job: _Job) -> None:
         """Under the lock: the job's request was granted, or failed; it goes on."""

@@ -1,0 +1,34 @@
+"""A job that trains a few small steps, then, under no_grad and outside any module,
+makes two MIB MiB temporaries, says so (writes MINE) and waits for OTHER before it
+makes a third: two of these beside each other both outgrow their plans at once and
+hold what the other needs (each fits alone in 3 x MIB, not both in 5 x MIB).
+
+    python outgrows_together.py MIB MINE OTHER"""
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+mib, mine, other = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+x, y = torch.randn(32, 16), torch.randn(32, 1)
+for step in range(3):
+    loss = ((model(x) - y) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+with torch.no_grad():
+    a = torch.ones((mib << 20) // 4)
+    b = a * 2
+    open(mine, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(other):
+        if time.monotonic() > deadline:
+            sys.exit(f"{other} never appeared")
+        time.sleep(0.01)
+    total = (a + b).sum().item()
+print(f"loss {loss.item():.6f} total {total:.0f}")
