@@ -242,7 +242,8 @@ def test_of_two_jobs_that_outgrow_their_plans_at_once_one_gives_way_and_says_so(
     """Two jobs each hold 40 MiB of temporaries no plan foresaw and each asks for 20
     more under a 90 MiB limit: alone each fits, together neither can go on, and no
     swap is built. The newer gives way: its request fails with out of memory saying
-    it fits alone and gave way, and to whom; the other goes on and finishes."""
+    it fits alone and gave way, and to whom; the other goes on and finishes. With
+    --retries 1, as the error suggests, both finish."""
     script = str(SCRIPTS / "outgrows_together.py")
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     result = _launch(_jobs((script, ["20", first, second]), (script, ["20", second, first])), tmp_path,
@@ -252,6 +253,12 @@ def test_of_two_jobs_that_outgrow_their_plans_at_once_one_gives_way_and_says_so(
     assert "is out of memory" in error and "memory limit of 90.00 MiB is reached" in error, error
     assert "it gives way to 'job0', there first (alone it would fit" in error, error
     assert result.extra["peak_reserved_bytes"] <= 90 * MiB
+    # As the error says: with a retry it runs again once job0 has freed its memory.
+    for path in (first, second):
+        os.remove(path)
+    retried = _launch(_jobs((script, ["20", first, second]), (script, ["20", second, first])), tmp_path / "retried",
+                      memory_limit=90 * MiB, retries=1)
+    assert [job.state.value for job in retried.jobs] == ["succeeded", "succeeded"], [j.error for j in retried.jobs]
 
 
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):

@@ -1042,7 +1042,8 @@ class Engine:
         """Said of a request that fails at the limit although the job fits alone."""
         from wwrun.config import format_size
 
-        return f"alone it would fit: it would hold {format_size(need)} of the {format_size(self._budget)} planned"
+        return (f"alone it would fit: it would hold {format_size(need)} of the {format_size(self._budget)} planned;"
+                " --retries runs a failed job again once memory frees up")
 
     def _budget_too_small(self, need: int) -> str:
         from wwrun.config import format_size
