@@ -160,7 +160,17 @@ def test_a_waiter_that_makes_another_job_give_way_lets_go_of_the_lock_for_it():
     finally:
         stop.set()
         thread.join(60)
+        _finish(engine, "at_limit", "newcomer")
     assert not thread.is_alive()
+
+
+def _finish(engine, *names):
+    """Ends jobs a test started on its own thread: the engine's hooks are global, and
+    its thread, bound to the last of them, runs later tests' models (a forward of
+    test_a_job_waiting_at_a_gate_parks_its_activations_so_that_another_job_runs_now
+    waited for good as a newcomer of a test before it)."""
+    for name in names:
+        engine.job_finished(name)
 
 
 def test_a_wait_for_memory_that_ctrl_c_ends_leaves_the_job_no_longer_waiting():
@@ -189,15 +199,18 @@ def test_a_wait_for_memory_that_ctrl_c_ends_leaves_the_job_no_longer_waiting():
 
     thread = threading.Thread(target=admit)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not newcomer.waiting_since and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert newcomer.waiting_since, "it never waited"
-    assert isolation.interrupt(thread.ident)
-    thread.join(30)
-    assert not thread.is_alive() and raised
-    assert not newcomer.waiting_since
-    assert engine.scheduler.jobs["newcomer"].waiting is None
+    try:
+        deadline = time.monotonic() + 30
+        while not newcomer.waiting_since and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert newcomer.waiting_since, "it never waited"
+        assert isolation.interrupt(thread.ident)
+        thread.join(30)
+        assert not thread.is_alive() and raised
+        assert not newcomer.waiting_since
+        assert engine.scheduler.jobs["newcomer"].waiting is None
+    finally:
+        _finish(engine, "holder", "newcomer")
 
 
 def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():
