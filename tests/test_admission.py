@@ -238,26 +238,51 @@ def test_a_job_at_the_limit_fails_as_under_python_once_no_job_frees_anything_for
     assert result.jobs[1].wall_s < 15  # and gave up long before the holder ended
 
 
-def test_of_two_jobs_that_outgrow_their_plans_at_once_one_gives_way_and_says_so(tmp_path):
-    """Two jobs each hold 40 MiB of temporaries no plan foresaw and each asks for 20
-    more under a 90 MiB limit: alone each fits, together neither can go on, and no
-    swap is built. The newer gives way: its request fails with out of memory saying
-    it fits alone and gave way, and to whom; the other goes on and finishes. With
-    --retries 1, as the error suggests, both finish."""
+def _outgrowing_together(tmp_path):
+    """Two jobs that each hold 40 MiB of temporaries no plan foresaw and each ask for
+    20 more, both at once (tests/scripts/outgrows_together.py): under 90 MiB each
+    fits alone, and together neither can go on unless one lets go."""
     script = str(SCRIPTS / "outgrows_together.py")
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    result = _launch(_jobs((script, ["20", first, second]), (script, ["20", second, first])), tmp_path,
-                     memory_limit=90 * MiB)
+    return (script, ["20", first, second]), (script, ["20", second, first])
+
+
+def test_of_two_jobs_that_outgrow_their_plans_at_once_the_newer_parks_its_pages_and_both_finish(tmp_path):
+    """The newer gives way: its pages go to host memory at the same addresses
+    (Note [Parking]) while the other takes them, and come back once it has freed
+    them. Both finish, each printing what it prints alone, and the device never
+    holds more than the limit. The newer failed with out of memory before."""
+    jobs = _outgrowing_together(tmp_path)
+    trace = tmp_path / "trace.json"
+    result = _launch(_jobs(*jobs), tmp_path, memory_limit=90 * MiB, trace=str(trace))
+    _all_finish_within(result, 90 * MiB)
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert [names[e["tid"]] for e in events if e.get("name") == "parked"] == ["job1"]
+    itself = str(tmp_path / "itself")  # it waits for no other job
+    alone = _launch(_jobs((jobs[1][0], ["20", itself, itself])), tmp_path / "alone", policy="concurrent")
+    read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
+    assert read(result.jobs[0]) == read(result.jobs[1]) == read(alone.jobs[0])
+
+
+def test_where_pages_cannot_be_parked_the_newer_gives_way_and_says_so(tmp_path, monkeypatch):
+    """As on a GPU as yet (its backend parks nothing): the newer's request fails with
+    out of memory saying it fits alone and gave way, and to whom; the other goes on
+    and finishes. With --retries 1, as the error suggests, both finish."""
+    from wwrun.memory import engine
+
+    monkeypatch.setattr(engine.Engine, "_park_at_limit", lambda self, job, state: False)
+    jobs = _outgrowing_together(tmp_path)
+    result = _launch(_jobs(*jobs), tmp_path, memory_limit=90 * MiB)
     assert [job.state.value for job in result.jobs] == ["succeeded", "failed"], [job.error for job in result.jobs]
     error = result.jobs[1].error
     assert "is out of memory" in error and "memory limit of 90.00 MiB is reached" in error, error
     assert "it gives way to 'job0', there first (alone it would fit" in error, error
     assert result.extra["peak_reserved_bytes"] <= 90 * MiB
     # As the error says: with a retry it runs again once job0 has freed its memory.
-    for path in (first, second):
-        os.remove(path)
-    retried = _launch(_jobs((script, ["20", first, second]), (script, ["20", second, first])), tmp_path / "retried",
-                      memory_limit=90 * MiB, retries=1)
+    jobs = _outgrowing_together(tmp_path / "retried")
+    (tmp_path / "retried").mkdir()
+    retried = _launch(_jobs(*jobs), tmp_path / "retried", memory_limit=90 * MiB, retries=1)
     assert [job.state.value for job in retried.jobs] == ["succeeded", "succeeded"], [j.error for j in retried.jobs]
 
 

@@ -1084,6 +1084,39 @@ def test_pages_are_zeroed_across_jobs_and_not_within_one():
     assert moved >= 14 * MiB // PAGE and alloc.job_stats("B")["scrubbed_bytes"] == moved * PAGE
 
 
+def test_a_parked_job_keeps_its_bytes_at_its_addresses_while_its_pages_serve_another_job():
+    """Note [Parking]: A's live blocks move to host memory at the same addresses
+    (readable, writable), its pages go to the budget, and B, at the limit, gets
+    them zeroed; once B frees them A's bytes come back into pages of the budget.
+    A block A frees while parked takes its copy with it."""
+    alloc = two_jobs(reserved_limit=24 * MiB)
+    kept, dropped = alloc.alloc(12 * MiB, A), alloc.alloc(4 * MiB, A)
+    fill(alloc, kept, 12 * MiB, SECRET)
+    fill(alloc, dropped, 4 * MiB, SECRET)
+    with pytest.raises(torch.OutOfMemoryError):
+        alloc.alloc(20 * MiB, B)  # 16 of 24 MiB held by A
+    assert alloc.park_job("A") == 16 * MiB
+    assert alloc.job_stats("A")["held_bytes"]["current"] == 0
+    assert alloc.job_stats("A")["parked_bytes"]["current"] == 16 * MiB
+    alloc.check_invariants()
+    alloc.write(kept, b"\x01")  # the copy is A's memory while parked
+    got = alloc.alloc_traced(20 * MiB, B)  # A's pages, zeroed for B
+    assert alloc.read(got.ptr, got.size) == bytes(got.size)
+    alloc.free(dropped)  # its copy goes at once
+    assert alloc.job_stats("A")["parked_bytes"]["current"] == 12 * MiB
+    alloc.check_invariants()
+    assert not alloc.unpark_job("A")  # B holds the pages
+    alloc.free(got.ptr)
+    assert alloc.unpark_job("A")
+    assert alloc.job_stats("A")["held_bytes"]["current"] == 12 * MiB
+    assert alloc.job_stats("A")["parked_bytes"]["current"] == 0
+    assert alloc.read(kept, 12 * MiB) == b"\x01" + bytes([SECRET]) * (12 * MiB - 1)
+    assert alloc.stats()["device"]["reserved_bytes"]["peak"] <= 24 * MiB
+    alloc.check_invariants()
+    alloc.free(kept)
+    alloc.check_invariants()
+
+
 def test_empty_cache_returns_the_empty_pages_of_partly_used_ranges():
     alloc = two_jobs()
     alloc.free(alloc.alloc(20 * MiB, A))

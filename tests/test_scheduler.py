@@ -239,6 +239,22 @@ def test_only_running_jobs_can_free_memory_for_a_waiting_one():
     assert sched.others_can_free("a")
 
 
+def test_a_job_that_parked_its_pages_at_the_limit_frees_nothing_and_is_never_made_to_give_way_again():
+    """A job parked at the limit (Note [Parking]) has given its pages: no other job
+    counts on its frees, and when every other job waits, one of them gives way,
+    not it."""
+    sched = Scheduler(1000)
+    profiled(sched, "a", 100, 400)
+    profiled(sched, "b", 100, 400)
+    assert sched.request("a", 400, pass_start=True) is Decision.GRANT
+    sched.jobs["b"].parked = True  # not waiting in the scheduler, asking for nothing
+    assert not sched.others_can_free("a")  # it was counted as a running job that frees
+    sched.jobs["a"].at_limit = True
+    assert sched.stuck_victim() == "a"  # every other job waits: a gives way, not b
+    sched.jobs["b"].parked = False
+    assert sched.stuck_victim() is None  # b, no longer parked and not waiting, runs
+
+
 def test_sharing_jobs_plan_the_whole_budget():
     """Under the allocator the budget is held pages, and a job's layout is its own:
     two jobs whose held bytes just fit run their passes at once, with nothing kept

@@ -51,7 +51,7 @@ MemoryFlowAllocator::~MemoryFlowAllocator() {
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
       if (!segment->pages[i].mapped) continue;
       backend_.page_unmap(segment->base + i * page_, page_);
-      backend_.page_release(segment->pages[i].handle);
+      if (!segment->pages[i].parked) backend_.page_release(segment->pages[i].handle);
     }
     delete segment;
   }
@@ -510,6 +510,13 @@ void MemoryFlowAllocator::use_pages(const Block* block, int delta) {
   for (std::size_t i = start / page_; i <= (start + block->size - 1) / page_; ++i) {
     PageSlot& slot = segment->pages[i];
     if (delta > 0 ? slot.uses++ != 0 : --slot.uses != 0) continue;
+    if (slot.parked) {  // its last live block went: the copy goes (Note [Parking])
+      backend_.page_unmap(segment->base + i * page_, page_);
+      slot.parked = slot.mapped = false;
+      --segment->mapped;
+      update_stat(jobs_[segment->job].parked_bytes, -static_cast<std::int64_t>(page_));
+      continue;
+    }
     changed += delta;
     if (slot.mapped) {
       segment->idle -= static_cast<std::size_t>(delta > 0);
@@ -647,6 +654,90 @@ std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
   return count;
 }
 
+// Note [Parking]. When two jobs at the limit each hold what the other needs (both
+// outgrew their plans at once), one must let go, and a job that fits alone must
+// not die of it. The engine parks the one that gives way: the pages under its
+// live blocks are copied to host memory, mapped at the same addresses (its
+// tensors stay where they are, readable and writable: a thread of the job still
+// running sees its bytes), and the pages go to the budget, with the job as their
+// owner (zeroed before another job sees them). It waits, its thread blocked in its
+// request, until the other job has freed them, and unpark_job brings them back,
+// copying the bytes into pages of the budget, before its request is tried again.
+// A parked page is mapped and held by a live block but not counted in the job's
+// held bytes; when its last block is freed meanwhile, its copy goes at once, so
+// a parked page is never idle and no rule that cuts idle pages meets one. Where
+// the backend cannot park (CUDA, as yet), the job gives way as before: its
+// request fails. Writes by the job's other threads between a copy and its
+// mapping are lost: only the job's own thread waits, and it is the one parked.
+std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
+  Lock lock(mutex_);
+  freed_cv_.wait(lock, [&] { return !mapping_; });  // pages being mapped under a block: bounded, as in allocate
+  const std::optional<JobId> job = find_job_locked(name);
+  if (!job) return 0;
+  std::size_t count = 0;
+  for (auto& [base, segment] : segments_) {
+    if (segment->job != *job) continue;
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      PageSlot& slot = segment->pages[i];
+      if (!slot.mapped || slot.parked || slot.uses == 0) continue;
+      if (!backend_.page_park(segment->base + i * page_)) break;
+      free_pages_.push_back({slot.handle, *job});
+      slot.handle = 0;
+      slot.parked = true;
+      ++count;
+    }
+  }
+  if (count == 0) return 0;
+  const auto bytes = static_cast<std::int64_t>(count * page_);
+  update_stat(jobs_[*job].held_bytes, -bytes);
+  update_stat(jobs_[*job].parked_bytes, bytes);
+  ++free_count_;  // pages came back: rule f's waiters look again
+  if (release_waiters_ > 0) freed_cv_.notify_all();
+  return count * page_;
+}
+
+bool MemoryFlowAllocator::unpark_job(const std::string& name) {
+  Lock lock(mutex_);
+  const std::optional<JobId> job = find_job_locked(name);
+  if (!job) return true;
+  const auto parked_slots = [&] {
+    std::vector<std::pair<Segment*, std::size_t>> slots;
+    for (auto& [base, segment] : segments_) {
+      if (segment->job != *job) continue;
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        if (segment->pages[i].parked) slots.emplace_back(segment, i);
+      }
+    }
+    return slots;
+  };
+  const std::size_t wanted = parked_slots().size();
+  if (wanted == 0) return true;
+  // The budget's free pages first, then fresh ones within the limit, then idle
+  // pages cut out of ready free blocks (other jobs' caches).
+  const std::size_t room = options_.reserved_limit == 0 ? wanted
+      : (options_.reserved_limit - std::min<std::size_t>(options_.reserved_limit,
+             static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_)) / page_;
+  if (free_pages_.size() + room < wanted) cut_idle_pages(wanted - free_pages_.size() - room, *job);
+  std::vector<FreePage> pages;
+  if (!take_pages(lock, wanted, *job, pages)) return false;
+  // The lock may have been let go: a block the job's other thread freed meanwhile
+  // took its copy with it (use_pages); the pages left over go back to the budget.
+  const auto slots = parked_slots();
+  for (std::size_t k = 0; k < slots.size(); ++k) {
+    auto [segment, i] = slots[k];
+    PageSlot& slot = segment->pages[i];
+    backend_.page_unpark(segment->base + i * page_, pages[k].handle);
+    slot.handle = pages[k].handle;
+    slot.parked = false;
+  }
+  free_pages_.insert(free_pages_.end(), pages.begin() + static_cast<std::ptrdiff_t>(slots.size()), pages.end());
+  const auto bytes = static_cast<std::int64_t>(slots.size() * page_);
+  update_stat(jobs_[*job].parked_bytes, -bytes);
+  update_stat(jobs_[*job].held_bytes, bytes);
+  jobs_[*job].window_peak = std::max(jobs_[*job].window_peak, jobs_[*job].held_bytes.current);
+  return true;
+}
+
 // Ranges with no page mapped and no live block, given back: ended jobs' (their
 // layout is no one's any more), and with `active_too` any job's (when address
 // space runs out).
@@ -676,6 +767,13 @@ void MemoryFlowAllocator::drop_unused_segments(bool active_too) {
     update_stat(stats_.segments, -1);
     delete segment;
   }
+}
+
+// Bytes of the jobs' pages parked in host memory (Note [Parking]): allocated, not reserved.
+std::int64_t MemoryFlowAllocator::parked_bytes_locked() const {
+  std::int64_t parked = 0;
+  for (const JobStats& job : jobs_) parked += job.parked_bytes.current;
+  return parked;
 }
 
 // Idle pages: mapped, under no live block, in any range.
@@ -966,7 +1064,10 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
             << " limit";
   }
   message << ". Device: " << format_bytes(stats_.reserved_bytes.current) << " reserved, "
-          << format_bytes(stats_.allocated_bytes.current) << " allocated; by job:";
+          << format_bytes(stats_.allocated_bytes.current) << " allocated";
+  const std::int64_t parked = parked_bytes_locked();
+  if (parked != 0) message << " (" << format_bytes(parked) << " of it parked in host memory)";
+  message << "; by job:";
   const char* separator = " ";
   for (const JobStats& other : jobs_) {
     if (other.allocated_bytes.current == 0 && &other != &jobs_[job]) continue;
@@ -976,7 +1077,7 @@ void MemoryFlowAllocator::out_of_memory(JobId job, std::size_t bytes, std::size_
   // Free as whole pages (any range can take them), in pieces smaller than a
   // page, or only behind another stream's work.
   const std::size_t free_pages = free_whole_pages_locked();
-  message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current)
+  message << "; " << format_bytes(stats_.reserved_bytes.current - stats_.allocated_bytes.current + parked)
           << " reserved but free: " << free_pages << " whole pages ("
           << format_bytes(static_cast<std::int64_t>(free_pages * page_)) << "), "
           << takeable_pages_locked() << " of them takeable now, the largest free run "
@@ -1557,7 +1658,7 @@ Snapshot MemoryFlowAllocator::snapshot() const {
   Snapshot snap;
   snap.device = stats_;
   snap.jobs = jobs_;
-  snap.fragmentation_bytes = stats_.reserved_bytes.current - stats_.allocated_bytes.current;
+  snap.fragmentation_bytes = stats_.reserved_bytes.current - stats_.allocated_bytes.current + parked_bytes_locked();
   snap.free_page_bytes = static_cast<std::int64_t>(free_whole_pages_locked() * page_);
   snap.page_bytes = static_cast<std::int64_t>(page_);
   lock.unlock();
@@ -1647,7 +1748,7 @@ std::string MemoryFlowAllocator::check_invariants() const {
   Lock lock(mutex_);
   std::ostringstream broken;
   std::size_t mapped_total = 0, idle_total = 0;
-  std::vector<std::int64_t> held(jobs_.size(), 0);
+  std::vector<std::int64_t> held(jobs_.size(), 0), parked(jobs_.size(), 0);
   for (const auto& [base, segment] : segments_) {
     if (segment->pages.size() * page_ != segment->size) return "a range's pages do not cover it";
     std::vector<std::uint32_t> uses(segment->pages.size(), 0);
@@ -1684,12 +1785,14 @@ std::string MemoryFlowAllocator::check_invariants() const {
         broken << "page " << i << " of a range counts " << slot.uses << " uses, not " << uses[i];
         return broken.str();
       }
+      if (slot.parked && (!slot.mapped || slot.uses == 0)) return "a parked page is under no live block";
       mapped += slot.mapped;
       idle += slot.mapped && slot.uses == 0;
-      if (slot.uses > 0) held[segment->job] += static_cast<std::int64_t>(page_);
+      parked[segment->job] += slot.parked ? static_cast<std::int64_t>(page_) : 0;
+      if (slot.uses > 0 && !slot.parked) held[segment->job] += static_cast<std::int64_t>(page_);
+      mapped_total += slot.mapped && !slot.parked;  // a parked page's is in the budget's free ones
     }
     if (mapped != segment->mapped || idle != segment->idle) return "a range's page counts drifted";
-    mapped_total += mapped;
     idle_total += idle;
   }
   if (idle_total != idle_pages_) return "the idle page count drifted";
@@ -1699,6 +1802,7 @@ std::string MemoryFlowAllocator::check_invariants() const {
              << jobs_[job].held_bytes.current;
       return broken.str();
     }
+    if (parked[job] != jobs_[job].parked_bytes.current) return "a job's parked bytes drifted";
   }
   if ((mapped_total + free_pages_.size()) * page_ + reserving_bytes_ !=
       static_cast<std::size_t>(stats_.reserved_bytes.current)) {

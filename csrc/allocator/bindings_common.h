@@ -30,6 +30,7 @@ inline py::dict job_dict(const JobStats& job) {
   d["requested_bytes"] = stat_dict(job.requested_bytes);
   d["allocations"] = stat_dict(job.allocations);
   d["held_bytes"] = stat_dict(job.held_bytes);
+  d["parked_bytes"] = stat_dict(job.parked_bytes);
   d["num_ooms"] = job.num_ooms;
   d["largest_block_bytes"] = job.largest_block;
   d["scrubbed_bytes"] = job.scrubbed_bytes;

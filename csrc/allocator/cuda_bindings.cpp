@@ -37,6 +37,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tc::core(device).set_expected_releases(jobs, wait_s);
   });
   m.def("find_job", [](int device, const std::string& job) { return tc::core(device).find_job(job); });
+  m.def("park_job", [](int device, const std::string& job) {  // 0: not yet on CUDA (Note [Parking])
+    py::gil_scoped_release released;
+    return tc::core(device).park_job(job);
+  });
+  m.def("unpark_job", [](int device, const std::string& job) {
+    py::gil_scoped_release released;
+    return tc::core(device).unpark_job(job);
+  });
   m.def("job_window", [](int device, wwrun::alloc::JobId job, bool restart) {
     const auto window = tc::core(device).job_window(job, restart);
     return std::make_pair(window.current, window.peak);

@@ -200,6 +200,35 @@ void HostBackend::page_unmap(void* address, std::size_t bytes) {
   }
 }
 
+// Parking: the copy is anonymous memory, moved over the page's place in one
+// mremap, so that the bytes are there at every moment; the page, unmapped, keeps
+// its bytes in the memfd. Unparking writes the copy's bytes into the page and maps
+// the page over the copy. A forked child (a DataLoader worker) parks nothing.
+bool HostBackend::page_park(void* address) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (forked_) return false;
+  void* copy = ::mmap(nullptr, kHostPageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (copy == MAP_FAILED) return false;
+  std::memcpy(copy, address, kHostPageBytes);
+  if (::mremap(copy, kHostPageBytes, kHostPageBytes, MREMAP_MAYMOVE | MREMAP_FIXED, address) == MAP_FAILED) {
+    ::munmap(copy, kHostPageBytes);
+    return false;
+  }
+  mapped_.erase(reinterpret_cast<std::uintptr_t>(address));
+  return true;
+}
+
+void HostBackend::page_unpark(void* address, PageHandle page) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto offset = static_cast<off_t>(page * kHostPageBytes);
+    if (::pwrite(fd_, address, kHostPageBytes, offset) != static_cast<ssize_t>(kHostPageBytes)) {
+      fail("pwrite of a parked page");
+    }
+  }
+  page_map(address, page);
+}
+
 // Note [Pages after fork]: fork() copies a process's private memory copy-on-write,
 // but MAP_SHARED pages stay shared, so a DataLoader worker's in-place write to a
 // tensor made before the fork (a dataset transform) reached the parent's jobs, and

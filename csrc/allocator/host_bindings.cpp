@@ -141,6 +141,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](HostAllocator& self, const std::string& name) {
              return self.allocator().find_job(name);
            })
+      .def("park_job",
+           [](HostAllocator& self, const std::string& name) { return self.allocator().park_job(name); })
+      .def("unpark_job",
+           [](HostAllocator& self, const std::string& name) { return self.allocator().unpark_job(name); })
       .def("hold", [](HostAllocator& self, StreamId s) { self.backend().hold(s); })
       .def("complete", [](HostAllocator& self, StreamId s) { self.backend().complete(s); })
       .def("last_seq", [](HostAllocator& self, StreamId s) { return self.backend().last_seq(s); })

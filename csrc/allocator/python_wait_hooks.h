@@ -48,7 +48,8 @@ inline bool is_job_thread() { return !job_thread_mark().empty(); }
 // the request fails: the job could not fit even alone, or no scheduler plans the
 // run. A str: it fails, and the str says why, after the allocator's figures: no
 // other job can free memory (of jobs waiting here, the newest gives way and the
-// others count on its frees), or the jobs' memory did not fall for a bound (every
+// others count on its frees; where its backend can, it parks its pages on the host
+// and waits on instead, Note [Parking]), or the jobs' memory did not fall for a bound (every
 // job stalled, or one held up by a lock inside torch that the waiting thread
 // holds). It fails as memory is then: one more try without waiting, so that frees
 // made while the scheduler decided are used, and the message's figures are the

@@ -44,8 +44,9 @@
 //      other waiters a new bound (Note [Rule f deadlock]);
 //   g. the run's scheduler decides (WaitHooks::at_limit, Note [Waiting at the
 //      limit] in python_wait_hooks.h): a job that fits alone waits there for
-//      another job's frees and tries again from a; otherwise it tries a-e once
-//      more, as memory is now, and then
+//      another job's frees and tries again from a (one that gives way to another
+//      waiting there may park its pages on the host meanwhile, Note [Parking]);
+//      otherwise it tries a-e once more, as memory is now, and then
 //      fails: that job alone gets OutOfMemory, with a message naming the job, the
 //      request, the job's usage, the device's usage by job, and what was free at
 //      the moment of the decision: whole pages, and the largest free run.
@@ -256,6 +257,9 @@ struct Block {
 struct PageSlot {
   PageHandle handle = 0;
   bool mapped = false;
+  // Its bytes are a host copy outside the budget (Note [Parking]): mapped, under
+  // a live block (uses > 0), not held; handle unset.
+  bool parked = false;
   std::uint32_t uses = 0;  // live (or deferred, or in-scrub) blocks over it: held while > 0
 };
 
@@ -317,6 +321,7 @@ struct JobStats {
   Stat allocations;       // live blocks
   // The pages under its live blocks (Note [Layouts]): what it holds of the budget.
   Stat held_bytes;
+  Stat parked_bytes;  // its pages parked in host memory (Note [Parking]): not held
   // The most held since the engine last looked (take_window): a NodeGroup's or an
   // iteration's peak, without disturbing the job's lifetime peak above.
   std::int64_t window_peak = 0;
@@ -328,7 +333,7 @@ struct JobStats {
 
 struct DeviceStats {
   Stat allocated_bytes;  // invariant: allocated_bytes.current == sum over jobs
-  Stat reserved_bytes;   // invariant: reserved_bytes.current >= allocated_bytes.current
+  Stat reserved_bytes;   // invariant: reserved_bytes.current >= allocated_bytes.current - parked bytes
   Stat requested_bytes;
   Stat allocations;
   Stat segments;          // ranges
@@ -348,7 +353,7 @@ struct DeviceStats {
 struct Snapshot {
   DeviceStats device;
   std::vector<JobStats> jobs;
-  std::int64_t fragmentation_bytes = 0;  // reserved - allocated
+  std::int64_t fragmentation_bytes = 0;  // reserved - allocated, parked bytes aside (Note [Parking])
   std::int64_t largest_free_block = 0;  // the longest mapped run of free bytes in one block
   std::int64_t free_page_bytes = 0;  // whole free pages: the budget's, and idle ones in ranges
   std::int64_t page_bytes = 0;  // the backend's page
@@ -465,6 +470,13 @@ class MemoryFlowAllocator {
   std::vector<ScrubRange> take_dirty_blocks(const std::string& job, StreamId scrub_stream);
   void finish_scrub(const std::vector<void*>& ptrs, StreamId scrub_stream, bool zeroed);
 
+  // Note [Parking]. park_job moves the pages under the job's live blocks to host
+  // memory, at the same addresses, and gives them to the budget; returns the
+  // bytes parked (0 where the backend cannot, or for an unknown job). unpark_job
+  // brings them back, all or none: false when the budget has not the pages.
+  std::size_t park_job(const std::string& job);
+  bool unpark_job(const std::string& job);
+
   // Rule f: jobs expected to free memory soon. An empty list disables rule f.
   void set_expected_releases(const std::vector<std::string>& jobs, double wait_s);
 
@@ -536,6 +548,7 @@ class MemoryFlowAllocator {
   void use_pages(const Block* block, int delta);
   void drop_unused_segments(bool active_too);
   std::size_t idle_pages_locked() const;
+  std::int64_t parked_bytes_locked() const;
   std::size_t free_whole_pages_locked() const;
   std::size_t takeable_pages_locked() const;
   std::size_t mapped_run(const Block* block) const;

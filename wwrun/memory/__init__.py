@@ -273,6 +273,11 @@ class Memory:
             engine.release_listeners.append(self._expect_releases)
             if self.limit is not None:
                 engine.capacity_source = self._budget_now
+            from wwrun.memory import allocator
+
+            device = self.device
+            engine.pages_parking = (lambda job: allocator.park_job(job, device),
+                                    lambda job: allocator.unpark_job(job, device))
         return engine
 
     def _copy_rate(self, budget: int) -> float:

@@ -59,6 +59,7 @@ __all__ = [
     "measure_headroom",
     "new_job_stream",
     "open_admission",
+    "park_job",
     "register_stream",
     "set_admission_callback",
     "set_expected_releases",
@@ -68,6 +69,7 @@ __all__ = [
     "stream_fixed_cost",
     "uninstall_cpu_allocator",
     "unmark_job_thread",
+    "unpark_job",
     "unregister_job",
     "warm_job_stream",
 ]
@@ -352,6 +354,13 @@ class HostAllocator:
         capped at its job's headroom (its limit, and the device less what all hold)."""
         return self._impl.cache_info(stream)
 
+    def park_job(self, job: str) -> int:
+        """The module's park_job, on this allocator."""
+        return self._impl.park_job(_check_job(job))
+
+    def unpark_job(self, job: str) -> bool:
+        return self._impl.unpark_job(_check_job(job))
+
     def write(self, ptr: int, data: bytes) -> None:
         self._impl.write(ptr, data)
 
@@ -486,6 +495,26 @@ def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]
     if job_id is None:
         raise ValueError(f"unknown job {job!r}")
     return read
+
+
+def park_job(job: str, device: str = "cpu") -> int:
+    """Moves the pages under `job`'s live blocks on the run's allocator to host
+    memory, at the same addresses, and gives them to the budget (Note [Parking] in
+    csrc/allocator/allocator_core.cpp); the bytes parked: 0 where the backend cannot
+    park (CUDA, as yet). Its caller's job must not run meanwhile: it waits."""
+    _check_job(job)
+    if device == "cuda":
+        return _cuda().park_job(torch.cuda.current_device(), job)
+    return _cpu().park_job(job)
+
+
+def unpark_job(job: str, device: str = "cpu") -> bool:
+    """Brings `job`'s parked pages back into the budget, all or none: False when the
+    budget has not the pages."""
+    _check_job(job)
+    if device == "cuda":
+        return _cuda().unpark_job(torch.cuda.current_device(), job)
+    return _cpu().unpark_job(job)
 
 
 def is_job_thread() -> bool:

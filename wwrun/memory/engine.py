@@ -203,6 +203,8 @@ class _Job:
     no_room: bool = False  # failed for want of room beside the others, not alone
     waiting_since: float = 0.0  # nonzero while a request of the job waits
     limit_wait: tuple[float, int] | None = None  # at the limit: since when, and the most room seen
+    limit_parked: float = 0.0  # since when it has given way at the limit, its pages parked (Note [Parking])
+    parked_persistent: int = 0  # its persistent bytes in the plan before it parked
     # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
@@ -320,6 +322,10 @@ class Engine:
         # Called (under the lock) as a job ends, once its models are let go: the budget
         # from now on, measured (memory held for no live job stays out of it), or None.
         self.capacity_source: Callable[[], int | None] | None = None
+        # The allocator's park_job and unpark_job for a job's name (Note [Parking] in
+        # csrc/allocator/allocator_core.cpp), or None: a job that gives way at the
+        # limit parks its pages on the host and waits, where it would fail.
+        self.pages_parking: tuple[Callable[[str], int], Callable[[str], bool]] | None = None
 
     # ---- the launcher's contract ------------------------------------------------------
     def set_capacity(self, capacity_bytes: int) -> None:
@@ -965,30 +971,46 @@ class Engine:
                     # what keeps the job out, it waits for it, within the bound.
                     self._measure_budget()
                     outlived = need > self._budget
-                    if outlived:
-                        decision = Decision.WAIT
-                    elif setup:
-                        decision = self.scheduler.request_persistent(name, need)
-                    else:
-                        decision = self.scheduler.request(name, want)
-                    if decision is Decision.TOO_LARGE:
-                        return self._give_up_at_limit(job, started, self._budget_too_small(need))
                     room, now = self._room_now(), time.perf_counter()
                     fell = room > most  # the jobs hold less than ever since it came
                     if fell:
                         since, most = now, room
-                    if decision is Decision.GRANT and (attempt == 0 or fell):
-                        break
+                    if job.limit_parked:
+                        # It gave way, its pages parked: once the jobs leave room for
+                        # all it held and asks for, measured, and the plan too, it
+                        # takes them back. Until then it asks for nothing.
+                        decision = Decision.WAIT
+                        if room >= need:
+                            state.persistent = job.parked_persistent
+                            decision = (self.scheduler.request_persistent(name, need) if setup
+                                        else self.scheduler.request(name, want))
+                            state.waiting = None
+                        if decision is Decision.GRANT and self._unpark(job):
+                            break
+                        state.persistent = 0
+                    else:
+                        if outlived:
+                            decision = Decision.WAIT
+                        elif setup:
+                            decision = self.scheduler.request_persistent(name, need)
+                        else:
+                            decision = self.scheduler.request(name, want)
+                        if decision is Decision.TOO_LARGE:
+                            return self._give_up_at_limit(job, started, self._budget_too_small(need))
+                        if decision is Decision.GRANT and (attempt == 0 or fell):
+                            break
                     if now - since > LIMIT_RETRY_S:
                         return self._give_up_at_limit(job, started, (
                             f"no job's memory fell for {LIMIT_RETRY_S:g} s while it waited"
                             f" ({self._fits_alone(need)})"))
-                    if not (outlived or self.scheduler.others_can_free(name)):
+                    if not (outlived or job.limit_parked or self.scheduler.others_can_free(name)):
                         # None can free: the queued jobs wait for this one, and it
-                        # would wait for them.
+                        # would wait for them, or it gives way to a job waiting here.
+                        if self._park_at_limit(job, state):
+                            continue
                         return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     try:
-                        if decision is Decision.GRANT or outlived:
+                        if decision is Decision.GRANT or outlived or job.limit_parked:
                             self._cond.wait(WAIT_POLL_S)  # room the device has not freed yet
                             if job.failed:  # chosen to give way meanwhile (stuck_victim)
                                 raise (NoRoomYet if job.no_room else JobTooLarge)(job.failed)
@@ -998,8 +1020,11 @@ class Engine:
                         if not job.iterations:
                             raise  # nothing done yet: it starts again once a job has ended
                         # Every job waits and this one gives way. Started again, a job
-                        # that has trained would repeat what it did: its request fails.
+                        # that has trained would repeat what it did: it parks, or its
+                        # request fails.
                         job.failed, job.no_room = None, False
+                        if job.limit_parked or self._park_at_limit(job, state):
+                            continue  # it gives way parked (it may have parked meanwhile)
                         return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     if job.ended is not None or self._jobs.get(name) is not job:
                         return False  # abandoned meanwhile (a retry may hold the name)
@@ -1033,10 +1058,42 @@ class Engine:
         Returns `why`, which the allocator's message ends with."""
         self._waited(job, "wait limit", started)
         job.limit_wait = None
+        if job.limit_parked and not self._unpark(job):  # else at its next wait here
+            state = self.scheduler.jobs.get(job.name)
+            if state is not None:
+                state.persistent = job.parked_persistent  # planned as if there
         self._abandon_wait(job)
         self._pass_fits_again(job)
         self._report_held(job)
         return why
+
+    def _park_at_limit(self, job: _Job, state) -> bool:
+        """Under the lock: job `job`, waiting at the limit, gives way: the pages under
+        its live blocks go to host memory, at the same addresses, and to the budget
+        (Note [Parking] in csrc/allocator/allocator_core.cpp), and it waits, no longer
+        counted on by the others (at_limit) nor asking the scheduler for anything,
+        while newcomers stay out (outgrown). False where they cannot be parked."""
+        if self.pages_parking is None or job.limit_parked or not self.pages_parking[0](job.name):
+            return False
+        job.limit_parked = time.perf_counter()
+        job.failed, job.no_room = None, False  # told to give way meanwhile: it has
+        state.at_limit, state.waiting, state.parked = False, None, True
+        # Off the device, its model and activations are not in the others' way.
+        job.parked_persistent, state.persistent = state.persistent, 0
+        self.scheduler.release(job.name, 0)
+        self._cond.notify_all()
+        return True
+
+    def _unpark(self, job: _Job) -> bool:
+        """Under the lock: the job's parked pages back in the budget, all or none."""
+        if not self.pages_parking[1](job.name):
+            return False
+        self.timeline.span(job.name, "parked", job.limit_parked, time.perf_counter())
+        job.limit_parked = 0.0
+        state = self.scheduler.jobs.get(job.name)
+        if state is not None:
+            state.parked, state.persistent = False, job.parked_persistent
+        return True
 
     def _fits_alone(self, need: int) -> str:
         """Said of a request that fails at the limit although the job fits alone."""

@@ -98,6 +98,7 @@ class JobState:
     guessed: bool = False  # its persistent bytes are the admission's guess, not yet its own
     at_limit: bool = False  # waiting in the allocator at the limit: the first to give way (stuck_victim)
     outgrown: bool = False  # came to the limit in its pass in progress: no newcomer starts until it ends
+    parked: bool = False  # gave way at the limit, its pages on the host: it frees nothing more, and waits
 
     @property
     def footprint(self) -> int:
@@ -403,10 +404,12 @@ class Scheduler:
         not waiting, or whose wait could be granted now, or one waiting at the limit
         that came after it: of jobs stuck there the newest gives way first (as in
         stuck_victim), and what it held comes free for the others. Queued jobs free
-        nothing."""
+        nothing, nor does a job that has parked its pages: it waits for room."""
         me = self.jobs[name]
 
         def frees(j: JobState) -> bool:
+            if j.parked:
+                return False
             if j.at_limit:
                 return j.seq > me.seq  # it gives way before this one does
             return j.waiting is None or self._safe(j, j.waiting)
@@ -416,8 +419,9 @@ class Scheduler:
     def stuck_victim(self) -> str | None:
         """When every active job waits and none can be granted, the job to fail: one
         waiting at the limit, else the newest one being profiled (its size was unknown
-        when it started)."""
-        active = self.active()
+        when it started). A job that parked its pages at the limit waits, and is never
+        chosen: it has given way."""
+        active = [j for j in self.active() if not j.parked]
         if not active or any(j.waiting is None and not j.at_limit for j in active):
             return None
         if any(not j.at_limit and self._safe(j, j.waiting) for j in active):
