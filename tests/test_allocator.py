@@ -1761,11 +1761,10 @@ def test_a_request_the_scheduler_lets_fail_first_takes_what_was_freed_meanwhile(
     assert asked == [("job1", 30 * MiB, 0)]
 
 
-def test_jobs_waiting_for_each_other_s_frees_fail_one_not_both(cpu_allocator):
-    """Each job holds half the memory and asks for as much again, expecting the
-    other's frees: neither frees before rule f's deadline, and both would fail. The
-    latest to wait fails at once, and the other gets the memory it frees."""
-    cpu_allocator(64 * MiB)
+def _each_holds_half_and_asks_again(limit_callback=None):
+    """Two jobs each hold 30 of 64 MiB and, once both do, ask for as much again,
+    expecting the other's frees (rule f): the errors of run_jobs, with
+    `limit_callback` as the run's scheduler's (set_limit_callback)."""
     both_hold = threading.Barrier(2, timeout=60)
 
     def body(name):
@@ -1775,7 +1774,20 @@ def test_jobs_waiting_for_each_other_s_frees_fail_one_not_both(cpu_allocator):
         assert int(x[0]) + int(y[-1]) == 2
 
     wwalloc.cpu_set_expected_releases(["job0", "job1"], timeout_s=60.0)
-    errors = run_jobs(body, body)
+    if limit_callback is not None:
+        wwalloc.set_limit_callback(limit_callback)
+    try:
+        return run_jobs(body, body)
+    finally:
+        wwalloc.set_limit_callback(None)
+
+
+def test_jobs_waiting_for_each_other_s_frees_fail_one_not_both(cpu_allocator):
+    """Each job holds half the memory and asks for as much again, expecting the
+    other's frees: neither frees before rule f's deadline, and both would fail. The
+    latest to wait fails at once, and the other gets the memory it frees."""
+    cpu_allocator(64 * MiB)
+    errors = _each_holds_half_and_asks_again()
     assert len(errors) == 1, errors
     (error,) = errors.values()
     assert isinstance(error, torch.OutOfMemoryError) and "waiting for memory too" in str(error)
@@ -1788,25 +1800,13 @@ def test_jobs_waiting_for_each_other_s_frees_leave_who_gives_way_to_the_run_s_sc
     of failing at once, since it sees which job has trained and which can start
     again. Told no, it fails, and the other goes on with what it frees."""
     cpu_allocator(64 * MiB)
-    both_hold = threading.Barrier(2, timeout=60)
     asked = []
-
-    def body(name):
-        x = torch.ones(30 * MiB, dtype=torch.uint8)
-        both_hold.wait()
-        y = torch.ones(30 * MiB, dtype=torch.uint8)
-        assert int(x[0]) + int(y[-1]) == 2
 
     def at_limit(job, nbytes, attempt):
         asked.append(job)
         return False
 
-    wwalloc.cpu_set_expected_releases(["job0", "job1"], timeout_s=60.0)
-    wwalloc.set_limit_callback(at_limit)
-    try:
-        errors = run_jobs(body, body)
-    finally:
-        wwalloc.set_limit_callback(None)
+    errors = _each_holds_half_and_asks_again(at_limit)
     assert len(errors) == 1, errors
     (failed,) = errors
     assert isinstance(errors[failed], torch.OutOfMemoryError)
@@ -1819,20 +1819,7 @@ def test_a_request_the_scheduler_lets_fail_says_why_after_the_allocator_s_figure
     what the allocator saw at the limit, then that reason, in place of rule f's
     "waiting for memory too", which the scheduler, seeing every job, overrules."""
     cpu_allocator(64 * MiB)
-    both_hold = threading.Barrier(2, timeout=60)
-
-    def body(name):
-        x = torch.ones(30 * MiB, dtype=torch.uint8)
-        both_hold.wait()
-        y = torch.ones(30 * MiB, dtype=torch.uint8)
-        assert int(x[0]) + int(y[-1]) == 2
-
-    wwalloc.cpu_set_expected_releases(["job0", "job1"], timeout_s=60.0)
-    wwalloc.set_limit_callback(lambda job, nbytes, attempt: f"{job} gives way, as its scheduler says")
-    try:
-        errors = run_jobs(body, body)
-    finally:
-        wwalloc.set_limit_callback(None)
+    errors = _each_holds_half_and_asks_again(lambda job, nbytes, attempt: f"{job} gives way, as its scheduler says")
     assert len(errors) == 1, errors
     (failed,) = errors
     said = str(errors[failed])
