@@ -271,7 +271,7 @@ def test_where_pages_cannot_be_parked_the_newer_gives_way_and_says_so(tmp_path, 
     and finishes. With --retries 1, as the error suggests, both finish."""
     from wwrun.memory import engine
 
-    monkeypatch.setattr(engine.Engine, "_park_at_limit", lambda self, job, state: False)
+    monkeypatch.setattr(engine.Engine, "_park_at_limit", lambda self, *args: False)
     jobs = _outgrowing_together(tmp_path)
     result = _launch(_jobs(*jobs), tmp_path, memory_limit=90 * MiB)
     assert [job.state.value for job in result.jobs] == ["succeeded", "failed"], [job.error for job in result.jobs]

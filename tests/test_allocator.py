@@ -1099,6 +1099,7 @@ def test_a_parked_job_keeps_its_bytes_at_its_addresses_while_its_pages_serve_ano
     assert alloc.job_stats("A")["held_bytes"]["current"] == 0
     assert alloc.job_stats("A")["parked_bytes"]["current"] == 16 * MiB
     alloc.check_invariants()
+    assert alloc.segments() == []  # the copies are no reserved memory
     alloc.write(kept, b"\x01")  # the copy is A's memory while parked
     got = alloc.alloc_traced(20 * MiB, B)  # A's pages, zeroed for B
     assert alloc.read(got.ptr, got.size) == bytes(got.size)

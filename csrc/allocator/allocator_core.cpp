@@ -665,7 +665,9 @@ std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
 // copying the bytes into pages of the budget, before its request is tried again.
 // A parked page is mapped and held by a live block but not counted in the job's
 // held bytes; when its last block is freed meanwhile, its copy goes at once, so
-// a parked page is never idle and no rule that cuts idle pages meets one. Where
+// a parked page is never idle and no rule that cuts idle pages meets one; nor is
+// its copy scrubbed, listed in segments() or counted in a free run (it may go
+// with its last block while a scrub writes there). Where
 // the backend cannot park (CUDA, as yet), the job gives way as before: its
 // request fails. Writes by the job's other threads between a copy and its
 // mapping are lost: only the job's own thread waits, and it is the one parked.
@@ -675,12 +677,14 @@ std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
   const std::optional<JobId> job = find_job_locked(name);
   if (!job) return 0;
   std::size_t count = 0;
-  for (auto& [base, segment] : segments_) {
+  bool can = true;
+  for (auto it = segments_.begin(); can && it != segments_.end(); ++it) {
+    Segment* segment = it->second;
     if (segment->job != *job) continue;
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
       PageSlot& slot = segment->pages[i];
       if (!slot.mapped || slot.parked || slot.uses == 0) continue;
-      if (!backend_.page_park(segment->base + i * page_)) break;
+      if (!(can = backend_.page_park(segment->base + i * page_))) break;
       free_pages_.push_back({slot.handle, *job});
       slot.handle = 0;
       slot.parked = true;
@@ -722,20 +726,26 @@ bool MemoryFlowAllocator::unpark_job(const std::string& name) {
   if (!take_pages(lock, wanted, *job, pages)) return false;
   // The lock may have been let go: a block the job's other thread freed meanwhile
   // took its copy with it (use_pages); the pages left over go back to the budget.
-  const auto slots = parked_slots();
-  for (std::size_t k = 0; k < slots.size(); ++k) {
-    auto [segment, i] = slots[k];
-    PageSlot& slot = segment->pages[i];
-    backend_.page_unpark(segment->base + i * page_, pages[k].handle);
-    slot.handle = pages[k].handle;
-    slot.parked = false;
+  const auto slots = parked_slots();  // no more than before: only the engine parks, one job at a time
+  std::size_t k = 0;
+  const auto page = static_cast<std::int64_t>(page_);
+  try {
+    for (; k < slots.size() && k < pages.size(); ++k) {
+      auto [segment, i] = slots[k];
+      PageSlot& slot = segment->pages[i];
+      backend_.page_unpark(segment->base + i * page_, pages[k].handle);
+      slot.handle = pages[k].handle;
+      slot.parked = false;
+      update_stat(jobs_[*job].parked_bytes, -page);
+      update_stat(jobs_[*job].held_bytes, page);
+    }
+  } catch (...) {  // the pages not mapped go back; the slots not unparked stay parked
+    free_pages_.insert(free_pages_.end(), pages.begin() + static_cast<std::ptrdiff_t>(k), pages.end());
+    throw;
   }
-  free_pages_.insert(free_pages_.end(), pages.begin() + static_cast<std::ptrdiff_t>(slots.size()), pages.end());
-  const auto bytes = static_cast<std::int64_t>(slots.size() * page_);
-  update_stat(jobs_[*job].parked_bytes, -bytes);
-  update_stat(jobs_[*job].held_bytes, bytes);
+  free_pages_.insert(free_pages_.end(), pages.begin() + static_cast<std::ptrdiff_t>(k), pages.end());
   jobs_[*job].window_peak = std::max(jobs_[*job].window_peak, jobs_[*job].held_bytes.current);
-  return true;
+  return k == slots.size();
 }
 
 // Ranges with no page mapped and no live block, given back: ended jobs' (their
@@ -803,7 +813,8 @@ std::size_t MemoryFlowAllocator::takeable_pages_locked() const {
   return count;
 }
 
-// The longest run of mapped bytes inside a block.
+// The longest run of mapped bytes inside a block, in the budget's pages (a parked
+// page's copy is the job's until its last block goes: never scrubbed nor handed out).
 std::size_t MemoryFlowAllocator::mapped_run(const Block* block) const {
   const Segment* segment = block->segment;
   const char* end = block->ptr + block->size;
@@ -811,7 +822,8 @@ std::size_t MemoryFlowAllocator::mapped_run(const Block* block) const {
   for (const char* at = block->ptr; at < end;) {
     const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
     const char* page_end = std::min<const char*>(end, segment->base + (i + 1) * page_);
-    run = segment->pages[i].mapped ? run + static_cast<std::size_t>(page_end - at) : 0;
+    const PageSlot& slot = segment->pages[i];
+    run = slot.mapped && !slot.parked ? run + static_cast<std::size_t>(page_end - at) : 0;
     best = std::max(best, run);
     at = page_end;
   }
@@ -1424,7 +1436,8 @@ std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string
     for (char* at = block->ptr; at < end;) {
       const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
       char* run_end = at;
-      for (std::size_t j = i; j < segment->pages.size() && segment->pages[j].mapped; ++j) {
+      for (std::size_t j = i; j < segment->pages.size() && segment->pages[j].mapped && !segment->pages[j].parked;
+           ++j) {  // a parked copy may go with its last block while the scrub writes
         run_end = std::min(end, segment->base + (j + 1) * page_);
         if (run_end == end) break;
       }
@@ -1716,13 +1729,14 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
   std::vector<SegmentInfo> result;
   for (const auto& [base, segment] : segments_) {
     const Block* block = segment->head;
+    const auto in_budget = [&](std::size_t i) { return segment->pages[i].mapped && !segment->pages[i].parked; };
     for (std::size_t i = 0; i < segment->pages.size();) {
-      if (!segment->pages[i].mapped) {
+      if (!in_budget(i)) {
         ++i;
         continue;
       }
       std::size_t j = i;
-      while (j < segment->pages.size() && segment->pages[j].mapped) ++j;
+      while (j < segment->pages.size() && in_budget(j)) ++j;
       char* const start = segment->base + i * page_;
       char* const end = segment->base + j * page_;
       SegmentInfo info{reinterpret_cast<std::uintptr_t>(start), static_cast<std::size_t>(end - start),

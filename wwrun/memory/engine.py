@@ -205,6 +205,7 @@ class _Job:
     limit_wait: tuple[float, int] | None = None  # at the limit: since when, and the most room seen
     limit_parked: float = 0.0  # since when it has given way at the limit, its pages parked (Note [Parking])
     parked_persistent: int = 0  # its persistent bytes in the plan before it parked
+    limit_parks: int = 0  # times its request at the limit parked (at most once)
     # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
@@ -960,6 +961,8 @@ class Engine:
             setup = not job.passes and job.evaluating is None
             want = max(self._holding(job), need - state.persistent)
             started = time.perf_counter()
+            if attempt == 0:
+                job.limit_parks = 0  # a new request: it may park once
             if attempt == 0 or job.limit_wait is None:
                 job.limit_wait = (started, self._room_now())
             since, most = job.limit_wait
@@ -987,7 +990,8 @@ class Engine:
                             state.waiting = None
                         if decision is Decision.GRANT and self._unpark(job):
                             break
-                        state.persistent = 0
+                        state.persistent = 0  # still parked: not in the others' way
+                        self.scheduler.release(name, 0)
                     else:
                         if outlived:
                             decision = Decision.WAIT
@@ -1005,8 +1009,9 @@ class Engine:
                             f" ({self._fits_alone(need)})"))
                     if not (outlived or job.limit_parked or self.scheduler.others_can_free(name)):
                         # None can free: the queued jobs wait for this one, and it
-                        # would wait for them, or it gives way to a job waiting here.
-                        if self._park_at_limit(job, state):
+                        # would wait for them, or it gives way to a job waiting here:
+                        # then it parks, once a request (its pages would help that job).
+                        if self.scheduler.gives_way_to(name) and self._park_at_limit(job, state, attempt):
                             continue
                         return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     try:
@@ -1023,7 +1028,7 @@ class Engine:
                         # that has trained would repeat what it did: it parks, or its
                         # request fails.
                         job.failed, job.no_room = None, False
-                        if job.limit_parked or self._park_at_limit(job, state):
+                        if job.limit_parked or self._park_at_limit(job, state, attempt):
                             continue  # it gives way parked (it may have parked meanwhile)
                         return self._give_up_at_limit(job, started, self._none_can_free(name, need))
                     if job.ended is not None or self._jobs.get(name) is not job:
@@ -1058,23 +1063,31 @@ class Engine:
         Returns `why`, which the allocator's message ends with."""
         self._waited(job, "wait limit", started)
         job.limit_wait = None
-        if job.limit_parked and not self._unpark(job):  # else at its next wait here
-            state = self.scheduler.jobs.get(job.name)
-            if state is not None:
-                state.persistent = job.parked_persistent  # planned as if there
-        self._abandon_wait(job)
-        self._pass_fits_again(job)
-        self._report_held(job)
+        try:
+            if job.limit_parked and not self._unpark(job):  # its pages come back at its next wait here
+                state = self.scheduler.jobs.get(job.name)
+                if state is not None:  # planned as if there, and no longer a parked job's
+                    state.parked, state.persistent = False, job.parked_persistent
+        finally:
+            self._abandon_wait(job)
+            self._pass_fits_again(job)
+            self._report_held(job)
         return why
 
-    def _park_at_limit(self, job: _Job, state) -> bool:
+    def _park_at_limit(self, job: _Job, state, attempt: int) -> bool:
         """Under the lock: job `job`, waiting at the limit, gives way: the pages under
         its live blocks go to host memory, at the same addresses, and to the budget
         (Note [Parking] in csrc/allocator/allocator_core.cpp), and it waits, no longer
         counted on by the others (at_limit) nor asking the scheduler for anything,
-        while newcomers stay out (outgrown). False where they cannot be parked."""
-        if self.pages_parking is None or job.limit_parked or not self.pages_parking[0](job.name):
+        while newcomers stay out (outgrown). False where they cannot be parked, or
+        where this request parked before (`attempt`: the allocator's count of its
+        tries): its pages came back and it still did not fit, so parking again would
+        copy them out and back until the bound."""
+        if self.pages_parking is None or job.limit_parked or job.limit_parks:
             return False
+        if not self.pages_parking[0](job.name):
+            return False
+        job.limit_parks += 1
         job.limit_parked = time.perf_counter()
         job.failed, job.no_room = None, False  # told to give way meanwhile: it has
         state.at_limit, state.waiting, state.parked = False, None, True
@@ -1091,8 +1104,8 @@ class Engine:
         self.timeline.span(job.name, "parked", job.limit_parked, time.perf_counter())
         job.limit_parked = 0.0
         state = self.scheduler.jobs.get(job.name)
-        if state is not None:
-            state.parked, state.persistent = False, job.parked_persistent
+        if state is not None:  # what a grant raised it to (setup: its model grew), else as before
+            state.parked, state.persistent = False, max(state.persistent, job.parked_persistent)
         return True
 
     def _fits_alone(self, need: int) -> str:
@@ -1112,9 +1125,8 @@ class Engine:
         """Why no job will free memory for job `name`, waiting at the limit: the jobs
         that could are waiting there too and came first (it gives way to them), or
         they wait for this one (queued, or refused)."""
-        me = self.scheduler.jobs[name]
         others = [j for j in self.scheduler.active() if j.name != name]
-        first = [j.name for j in others if j.at_limit and j.seq < me.seq]
+        first = self.scheduler.gives_way_to(name)
         if first:
             return (f"every job that could free memory for it waits at the limit too, and it gives way to"
                     f" {', '.join(map(repr, first))}, there first ({self._fits_alone(need)})")

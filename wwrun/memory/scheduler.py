@@ -416,6 +416,12 @@ class Scheduler:
 
         return any(frees(j) for j in self.active() if j.name != name)
 
+    def gives_way_to(self, name: str) -> list[str]:
+        """The jobs waiting at the limit that came before job `name`, waiting there
+        too: of jobs stuck there the newest gives way first, and they count on it."""
+        me = self.jobs[name]
+        return [j.name for j in self.active() if j.name != name and j.at_limit and j.seq < me.seq]
+
     def stuck_victim(self) -> str | None:
         """When every active job waits and none can be granted, the job to fail: one
         waiting at the limit, else the newest one being profiled (its size was unknown
