@@ -308,15 +308,7 @@ bool MemoryFlowAllocator::map_under(Lock& lock, Block* block, std::size_t size, 
   mapping_ = true;
   std::vector<FreePage> pages;
   bool got = false;
-  // Pages the budget has, or may make under the limit, beside the free ones.
-  const auto short_by = [&] {
-    std::size_t room = free_pages_.size();
-    if (options_.reserved_limit != 0) {
-      const auto held = static_cast<std::size_t>(stats_.reserved_bytes.current);
-      if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / page_;
-    }
-    return lacking > room ? lacking - room : 1;
-  };
+  const auto short_by = [&] { return std::max<std::size_t>(1, pages_beyond_room(lacking)); };
   try {
     // Pages that are no running job's cache first: the budget's free ones and an
     // ended job's idle ones; then fresh ones while the limit has room. Only then do
@@ -718,10 +710,7 @@ bool MemoryFlowAllocator::unpark_job(const std::string& name) {
   if (wanted == 0) return true;
   // The budget's free pages first, then fresh ones within the limit, then idle
   // pages cut out of ready free blocks (other jobs' caches).
-  const std::size_t room = options_.reserved_limit == 0 ? wanted
-      : (options_.reserved_limit - std::min<std::size_t>(options_.reserved_limit,
-             static_cast<std::size_t>(stats_.reserved_bytes.current) + reserving_bytes_)) / page_;
-  if (free_pages_.size() + room < wanted) cut_idle_pages(wanted - free_pages_.size() - room, *job);
+  if (const std::size_t short_by = pages_beyond_room(wanted)) cut_idle_pages(short_by, *job);
   std::vector<FreePage> pages;
   if (!take_pages(lock, wanted, *job, pages)) return false;
   // The lock may have been let go: a block the job's other thread freed meanwhile
@@ -786,6 +775,18 @@ std::int64_t MemoryFlowAllocator::parked_bytes_locked() const {
   return parked;
 }
 
+// How many of `wanted` pages neither the budget's free ones nor fresh ones the
+// limit has room for would give (without a limit, beyond the free ones): what
+// idle pages must make up.
+std::size_t MemoryFlowAllocator::pages_beyond_room(std::size_t wanted) const {
+  std::size_t room = free_pages_.size();
+  if (options_.reserved_limit != 0) {
+    const auto held = static_cast<std::size_t>(stats_.reserved_bytes.current);
+    if (held < options_.reserved_limit) room += (options_.reserved_limit - held) / page_;
+  }
+  return wanted > room ? wanted - room : 0;
+}
+
 // Idle pages: mapped, under no live block, in any range.
 std::size_t MemoryFlowAllocator::idle_pages_locked() const { return idle_pages_; }
 
@@ -822,8 +823,7 @@ std::size_t MemoryFlowAllocator::mapped_run(const Block* block) const {
   for (const char* at = block->ptr; at < end;) {
     const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
     const char* page_end = std::min<const char*>(end, segment->base + (i + 1) * page_);
-    const PageSlot& slot = segment->pages[i];
-    run = slot.mapped && !slot.parked ? run + static_cast<std::size_t>(page_end - at) : 0;
+    run = segment->pages[i].in_budget() ? run + static_cast<std::size_t>(page_end - at) : 0;
     best = std::max(best, run);
     at = page_end;
   }
@@ -1436,8 +1436,8 @@ std::vector<ScrubRange> MemoryFlowAllocator::take_dirty_blocks(const std::string
     for (char* at = block->ptr; at < end;) {
       const std::size_t i = static_cast<std::size_t>(at - segment->base) / page_;
       char* run_end = at;
-      for (std::size_t j = i; j < segment->pages.size() && segment->pages[j].mapped && !segment->pages[j].parked;
-           ++j) {  // a parked copy may go with its last block while the scrub writes
+      // Not a parked copy: it may go with its last block while the scrub writes.
+      for (std::size_t j = i; j < segment->pages.size() && segment->pages[j].in_budget(); ++j) {
         run_end = std::min(end, segment->base + (j + 1) * page_);
         if (run_end == end) break;
       }
@@ -1729,14 +1729,13 @@ std::vector<SegmentInfo> MemoryFlowAllocator::segments() const {
   std::vector<SegmentInfo> result;
   for (const auto& [base, segment] : segments_) {
     const Block* block = segment->head;
-    const auto in_budget = [&](std::size_t i) { return segment->pages[i].mapped && !segment->pages[i].parked; };
     for (std::size_t i = 0; i < segment->pages.size();) {
-      if (!in_budget(i)) {
+      if (!segment->pages[i].in_budget()) {
         ++i;
         continue;
       }
       std::size_t j = i;
-      while (j < segment->pages.size() && in_budget(j)) ++j;
+      while (j < segment->pages.size() && segment->pages[j].in_budget()) ++j;
       char* const start = segment->base + i * page_;
       char* const end = segment->base + j * page_;
       SegmentInfo info{reinterpret_cast<std::uintptr_t>(start), static_cast<std::size_t>(end - start),
@@ -1804,7 +1803,7 @@ std::string MemoryFlowAllocator::check_invariants() const {
       idle += slot.mapped && slot.uses == 0;
       parked[segment->job] += slot.parked ? static_cast<std::int64_t>(page_) : 0;
       if (slot.uses > 0 && !slot.parked) held[segment->job] += static_cast<std::int64_t>(page_);
-      mapped_total += slot.mapped && !slot.parked;  // a parked page's is in the budget's free ones
+      mapped_total += slot.in_budget();  // a parked page's is in the budget's free ones
     }
     if (mapped != segment->mapped || idle != segment->idle) return "a range's page counts drifted";
     idle_total += idle;

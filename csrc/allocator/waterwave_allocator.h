@@ -261,6 +261,8 @@ struct PageSlot {
   // a live block (uses > 0), not held; handle unset.
   bool parked = false;
   std::uint32_t uses = 0;  // live (or deferred, or in-scrub) blocks over it: held while > 0
+  // Mapped with a page of the budget: not a parked copy, which only its blocks use.
+  bool in_budget() const { return mapped && !parked; }
 };
 
 // Invariants, for a segment G:
@@ -548,6 +550,7 @@ class MemoryFlowAllocator {
   void use_pages(const Block* block, int delta);
   void drop_unused_segments(bool active_too);
   std::size_t idle_pages_locked() const;
+  std::size_t pages_beyond_room(std::size_t wanted) const;
   std::int64_t parked_bytes_locked() const;
   std::size_t free_whole_pages_locked() const;
   std::size_t takeable_pages_locked() const;

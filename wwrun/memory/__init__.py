@@ -370,9 +370,10 @@ class Memory:
         """The allocator's last word before a job thread's request fails at the limit
         (Note [Waiting at the limit] in csrc/allocator/python_wait_hooks.h): a job that
         fits alone waits for the others' frees (`Engine.wait_at_limit`); True: it
-        tries again; a str: it fails, and this says why. Only on the job's own thread (one it started would die of the
-        job's giving way), not in a forked child (a DataLoader worker: no other job
-        frees there), not inside an import (a running job may need its lock)."""
+        tries again; a str: it fails, and this says why. Only on the job's own thread
+        (one it started would die of the job's giving way), not in a forked child (a
+        DataLoader worker: no other job frees there), not inside an import (a running
+        job may need its lock)."""
         session = self._sessions.get(name)
         if session is None or session.thread != threading.get_ident() or os.getpid() != self._pid:
             return False  # a thread the job started, or a forked child's

@@ -205,7 +205,7 @@ class _Job:
     limit_wait: tuple[float, int] | None = None  # at the limit: since when, and the most room seen
     limit_parked: float = 0.0  # since when it has given way at the limit, its pages parked (Note [Parking])
     parked_persistent: int = 0  # its persistent bytes in the plan before it parked
-    limit_parks: int = 0  # times its request at the limit parked (at most once)
+    parked_this_request: bool = False  # its request at the limit parks at most once
     # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
@@ -962,7 +962,7 @@ class Engine:
             want = max(self._holding(job), need - state.persistent)
             started = time.perf_counter()
             if attempt == 0:
-                job.limit_parks = 0  # a new request: it may park once
+                job.parked_this_request = False
             if attempt == 0 or job.limit_wait is None:
                 job.limit_wait = (started, self._room_now())
             since, most = job.limit_wait
@@ -1065,9 +1065,7 @@ class Engine:
         job.limit_wait = None
         try:
             if job.limit_parked and not self._unpark(job):  # its pages come back at its next wait here
-                state = self.scheduler.jobs.get(job.name)
-                if state is not None:  # planned as if there, and no longer a parked job's
-                    state.parked, state.persistent = False, job.parked_persistent
+                self._back_in_plan(job)  # planned as if there
         finally:
             self._abandon_wait(job)
             self._pass_fits_again(job)
@@ -1083,11 +1081,11 @@ class Engine:
         where this request parked before (`attempt`: the allocator's count of its
         tries): its pages came back and it still did not fit, so parking again would
         copy them out and back until the bound."""
-        if self.pages_parking is None or job.limit_parked or job.limit_parks:
+        if self.pages_parking is None or job.limit_parked or job.parked_this_request:
             return False
         if not self.pages_parking[0](job.name):
             return False
-        job.limit_parks += 1
+        job.parked_this_request = True
         job.limit_parked = time.perf_counter()
         job.failed, job.no_room = None, False  # told to give way meanwhile: it has
         state.at_limit, state.waiting, state.parked = False, None, True
@@ -1103,10 +1101,16 @@ class Engine:
             return False
         self.timeline.span(job.name, "parked", job.limit_parked, time.perf_counter())
         job.limit_parked = 0.0
-        state = self.scheduler.jobs.get(job.name)
-        if state is not None:  # what a grant raised it to (setup: its model grew), else as before
-            state.parked, state.persistent = False, max(state.persistent, job.parked_persistent)
+        self._back_in_plan(job)
         return True
+
+    def _back_in_plan(self, job: _Job) -> None:
+        """Under the lock: the job is no longer a parked one to the scheduler, and its
+        model is planned again (as a grant raised it, when its model grew; else as
+        before it parked)."""
+        state = self.scheduler.jobs.get(job.name)
+        if state is not None:
+            state.parked, state.persistent = False, max(state.persistent, job.parked_persistent)
 
     def _fits_alone(self, need: int) -> str:
         """Said of a request that fails at the limit although the job fits alone."""
