@@ -7,6 +7,7 @@ be installed before CUDA is initialised and this test process may already have
 done so. Run them alone with: PYTHONPATH=$PWD python -m pytest -q -m gpu tests/test_allocator_cuda.py
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,15 +25,26 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(
-    not (CUDA_HOME / "include" / "cuda_runtime_api.h").is_file(), reason="no CUDA headers"
-)
+def cuda_headers() -> Path | None:
+    """CUDA's headers: CUDA_HOME's, else those of the nvidia-cuda-runtime and
+    nvidia-cuda-crt wheels (.ci/run installs them: CI has no toolkit)."""
+    if (CUDA_HOME / "include" / "cuda_runtime_api.h").is_file():
+        return CUDA_HOME / "include"
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        for header in sorted(Path(root).glob("*/include/cuda_runtime_api.h")):
+            if (header.parent / "crt" / "host_defines.h").is_file():
+                return header.parent
+    return None
+
+
+@pytest.mark.skipif(cuda_headers() is None, reason="no CUDA headers")
 def test_cuda_sources_compile_against_installed_torch_and_cuda_headers(tmp_path):
     from torch.utils import cpp_extension
 
     includes = cpp_extension.include_paths() + [
         sysconfig.get_paths()["include"],
-        str(CUDA_HOME / "include"),
+        str(cuda_headers()),
         str(source_dir()),
         str(source_dir().parent / "common"),
     ]
@@ -316,6 +328,44 @@ def test_a_job_never_reads_memory_another_job_freed():
                           "scrubbed": wa.job_stats("B")["scrubbed_bytes"]}))
     """)
     assert out["zeros"] and out["moves"] >= 31 and out["scrubbed"] >= 62 << 20
+
+
+@pytest.mark.gpu
+def test_a_parked_job_keeps_its_bytes_in_host_memory_at_its_addresses_while_its_pages_serve_another():
+    """Note [Parking] on CUDA: A's live block moves to pinned host memory mapped at
+    its address, once A's kernel still writing it has finished; A's kernels still
+    read and write it there, its pages go to B at the limit, zeroed; once B frees
+    them A's bytes come back into device pages."""
+    out = run_fresh(limit_to_room_for(66 << 20) + """  # a page more for A's small blocks
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
+        n = 16 << 20  # int32: 64 MiB
+        with torch.cuda.stream(s1):
+            kept = torch.full((n,), 41, dtype=torch.int32, device="cuda")
+            torch.cuda._sleep(200_000_000)  # A's stream is still busy when it parks ...
+            kept.add_(1)  # ... and this write must land before the copy
+        parked = wa.park_job("A", "cuda")
+        stats_a = wa.job_stats("A")
+        with torch.cuda.stream(s1):
+            kept[:1] = 7  # a kernel writes the host copy
+        with torch.cuda.stream(s2):
+            seen = torch.empty(n, dtype=torch.int32, device="cuda")
+            zeros = bool((seen.cpu() == 0).all())  # on the host: the limit leaves B no 16 MiB for a mask
+            early = wa.unpark_job("A", "cuda")  # B holds the pages
+            del seen
+        torch.cuda.synchronize()
+        back = wa.unpark_job("A", "cuda")
+        with torch.cuda.stream(s1):
+            values = kept.cpu()
+        print(json.dumps({"parked": parked, "held": stats_a["held_bytes"]["current"],
+                          "parked_bytes": stats_a["parked_bytes"]["current"], "zeros": zeros,
+                          "early": early, "back": back, "first": int(values[0]),
+                          "rest": bool((values[1:] == 42).all()),
+                          "after": wa.job_stats("A")["parked_bytes"]["current"]}))
+    """)
+    assert out["parked"] == 64 << 20 and out["parked_bytes"] == 64 << 20 and out["held"] == 0
+    assert out["zeros"] and not out["early"] and out["back"] and out["after"] == 0
+    assert out["first"] == 7 and out["rest"]
 
 
 @pytest.mark.gpu
