@@ -1118,6 +1118,33 @@ def test_a_parked_job_keeps_its_bytes_at_its_addresses_while_its_pages_serve_ano
     alloc.check_invariants()
 
 
+def test_a_job_s_pages_are_parked_and_brought_back_only_once_the_work_queued_on_its_streams_is_done():
+    """Note [Parking]: on a GPU a job's kernels may still be writing its pages when
+    it gives way. park_job and unpark_job first wait for the work queued so far on
+    every stream its ranges were used on (here A's and A2's, held: their events stay
+    pending until the host waits for them)."""
+    alloc = one_job_on_streams(reserved_limit=24 * MiB)
+    kept, side, later = alloc.alloc(4 * MiB, A), alloc.alloc(2 * MiB, A2), alloc.alloc(2 * MiB, A)
+    alloc.hold(A)
+    alloc.hold(A2)
+    alloc.free(alloc.alloc(1 * MiB, A))  # queued on A: its free's event is pending
+    queued = alloc.last_event(A)
+    assert alloc.completed_event(A) < queued
+    assert alloc.park_job("A") == 8 * MiB
+    assert alloc.completed_event(A) >= queued
+    assert alloc.completed_event(A2) == alloc.last_event(A2) > 0
+    alloc.hold(A)
+    alloc.free(later)  # its copy goes; its free's event, queued on A, is pending
+    queued = alloc.last_event(A)
+    assert alloc.completed_event(A) < queued
+    assert alloc.unpark_job("A")
+    assert alloc.completed_event(A) >= queued
+    assert alloc.job_stats("A")["parked_bytes"]["current"] == 0
+    alloc.check_invariants()
+    alloc.free(kept)
+    alloc.free(side)
+
+
 def test_empty_cache_returns_the_empty_pages_of_partly_used_ranges():
     alloc = two_jobs()
     alloc.free(alloc.alloc(20 * MiB, A))

@@ -659,16 +659,21 @@ std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
 // held bytes; when its last block is freed meanwhile, its copy goes at once, so
 // a parked page is never idle and no rule that cuts idle pages meets one; nor is
 // its copy scrubbed, listed in segments() or counted in a free run (it may go
-// with its last block while a scrub writes there). Where
-// the backend cannot park (CUDA, as yet), the job gives way as before: its
-// request fails. Writes by the job's other threads between a copy and its
-// mapping are lost: only the job's own thread waits, and it is the one parked.
+// with its last block while a scrub writes there). A page is copied only once
+// the work queued on it is done (a GPU's kernels may still be writing it): park
+// and unpark first wait for every stream the job's ranges were used on
+// (wait_for_job_work). Where the backend cannot park (a GPU whose driver maps
+// no host memory), the job gives way as before: its request fails. Writes by
+// the job's other threads between a copy and its mapping are lost: only the
+// job's own thread waits, and it is the one parked.
 std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
   Lock lock(mutex_);
-  freed_cv_.wait(lock, [&] { return !mapping_; });  // pages being mapped under a block: bounded, as in allocate
   const std::optional<JobId> job = find_job_locked(name);
   if (!job) return 0;
+  wait_for_job_work(lock, *job);
+  freed_cv_.wait(lock, [&] { return !mapping_; });  // pages being mapped under a block: bounded, as in allocate
   std::size_t count = 0;
+  const auto page = static_cast<std::int64_t>(page_);
   bool can = true;
   for (auto it = segments_.begin(); can && it != segments_.end(); ++it) {
     Segment* segment = it->second;
@@ -676,26 +681,62 @@ std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
       PageSlot& slot = segment->pages[i];
       if (!slot.mapped || slot.parked || slot.uses == 0) continue;
-      if (!(can = backend_.page_park(segment->base + i * page_))) break;
+      if (!(can = backend_.page_park(segment->base + i * page_, slot.handle))) break;
       free_pages_.push_back({slot.handle, *job});
       slot.handle = 0;
       slot.parked = true;
+      update_stat(jobs_[*job].held_bytes, -page);  // page by page: a backend that throws leaves them true
+      update_stat(jobs_[*job].parked_bytes, page);
       ++count;
     }
   }
   if (count == 0) return 0;
-  const auto bytes = static_cast<std::int64_t>(count * page_);
-  update_stat(jobs_[*job].held_bytes, -bytes);
-  update_stat(jobs_[*job].parked_bytes, bytes);
   ++free_count_;  // pages came back: rule f's waiters look again
   if (release_waiters_ > 0) freed_cv_.notify_all();
   return count * page_;
+}
+
+// Waits, with the lock let go, for the work queued so far on every stream that
+// used the job's ranges: their blocks' streams, record_stream's, and deferred
+// blocks' (Note [Parking]). An event recorded now on a stream covers all of it.
+void MemoryFlowAllocator::wait_for_job_work(Lock& lock, JobId job) {
+  std::vector<StreamId> streams;
+  const auto add = [&](StreamId stream) {
+    if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
+  };
+  for (const auto& [base, segment] : segments_) {
+    if (segment->job != job) continue;
+    for (const Block* block = segment->head; block != nullptr; block = block->next) {
+      add(block->stream);
+      for (StreamId stream : block->extra_streams) add(stream);
+      for (const EventRef* event : block->deferred_events) add(event->stream);
+    }
+  }
+  std::vector<EventHandle> events;
+  const auto destroy = [&] {
+    for (EventHandle event : events) backend_.event_destroy(event);
+  };
+  try {
+    for (StreamId stream : streams) {
+      events.push_back(backend_.event_create());
+      backend_.event_record(events.back(), stream);
+    }
+    lock.unlock();
+    for (EventHandle event : events) backend_.event_synchronize(event);
+    lock.lock();
+  } catch (...) {
+    if (!lock.owns_lock()) lock.lock();
+    destroy();
+    throw;
+  }
+  destroy();
 }
 
 bool MemoryFlowAllocator::unpark_job(const std::string& name) {
   Lock lock(mutex_);
   const std::optional<JobId> job = find_job_locked(name);
   if (!job) return true;
+  wait_for_job_work(lock, *job);  // its kernels may still read or write the copies
   const auto parked_slots = [&] {
     std::vector<std::pair<Segment*, std::size_t>> slots;
     for (auto& [base, segment] : segments_) {

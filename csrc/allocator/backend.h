@@ -58,13 +58,13 @@ class Backend {
   // a page only once the work queued on it has completed.
   virtual void page_map(void* address, PageHandle page) = 0;
   virtual void page_unmap(void* address, std::size_t bytes) = 0;
-  // Parking (Note [Parking] in allocator_core.cpp). page_park replaces the page
-  // mapped at `address` there by a copy of its bytes in host memory outside the
-  // budget, and unmaps the page (which keeps its bytes); false, with nothing
-  // done, where the backend cannot (the CUDA backend, as yet). page_unpark puts
-  // the parked bytes at `address` in `page` and maps it there, over the copy;
-  // page_unmap lets a copy go. Only on pages no work uses.
-  virtual bool page_park(void* /*address*/) { return false; }
+  // Parking (Note [Parking] in allocator_core.cpp). page_park replaces `page`,
+  // mapped at `address`, there by a copy of its bytes in host memory outside
+  // the budget, and unmaps the page (which keeps its bytes); false, with nothing
+  // changed, where the backend cannot. page_unpark puts the parked bytes at
+  // `address` in `page` and maps it there, over the copy; page_unmap lets a
+  // copy go. Only on pages no work uses.
+  virtual bool page_park(void* /*address*/, PageHandle /*page*/) { return false; }
   virtual void page_unpark(void* /*address*/, PageHandle /*page*/) {}
 
   virtual EventHandle event_create() = 0;

@@ -204,7 +204,7 @@ void HostBackend::page_unmap(void* address, std::size_t bytes) {
 // mremap, so that the bytes are there at every moment; the page, unmapped, keeps
 // its bytes in the memfd. Unparking writes the copy's bytes into the page and maps
 // the page over the copy. A forked child (a DataLoader worker) parks nothing.
-bool HostBackend::page_park(void* address) {
+bool HostBackend::page_park(void* address, PageHandle /*page*/) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (forked_) return false;
   void* copy = ::mmap(nullptr, kHostPageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -67,7 +67,7 @@ class HostBackend : public Backend {
   std::size_t va_arena_bytes() const override { return 0; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
-  bool page_park(void* address) override;
+  bool page_park(void* address, PageHandle page) override;
   void page_unpark(void* address, PageHandle page) override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;
