@@ -52,6 +52,8 @@ struct Driver {
   decltype(&cuMemSetAccess) set_access = nullptr;
   decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
   decltype(&cuGetErrorString) error_string = nullptr;
+  decltype(&cuDeviceGet) device_get = nullptr;
+  decltype(&cuDeviceGetAttribute) device_attribute = nullptr;
 };
 
 template <typename Fn>
@@ -83,6 +85,8 @@ const Driver& driver() {
     look_up("cuMemSetAccess", &d.set_access);
     look_up("cuMemGetAllocationGranularity", &d.granularity);
     look_up("cuGetErrorString", &d.error_string);
+    look_up("cuDeviceGet", &d.device_get);
+    look_up("cuDeviceGetAttribute", &d.device_attribute);
     return d;
   }();
   return loaded;
@@ -104,6 +108,19 @@ CUmemAllocationProp page_properties(int device) {
 }
 
 CUdeviceptr as_address(void* ptr) { return reinterpret_cast<CUdeviceptr>(ptr); }
+
+// Maps `handle` (one page) at `address`, readable and writable by `device`.
+void map_page(void* address, CUmemGenericAllocationHandle handle, int device) {
+  const Driver& d = driver();
+  check_driver(d.map(as_address(address), kCudaPageBytes, 0, handle, 0), "cuMemMap");
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult status = d.set_access(as_address(address), kCudaPageBytes, &access, 1);
+  if (status != CUDA_SUCCESS) d.unmap(as_address(address), kCudaPageBytes);
+  check_driver(status, "cuMemSetAccess");
+}
 
 }  // namespace
 
@@ -167,15 +184,7 @@ void CudaBackend::va_release(void* base, std::size_t bytes) {
 
 void CudaBackend::page_map(void* address, PageHandle page) {
   DeviceScope scope(device_);
-  const Driver& d = driver();
-  check_driver(d.map(as_address(address), kCudaPageBytes, 0,
-                     static_cast<CUmemGenericAllocationHandle>(page), 0),
-               "cuMemMap");
-  CUmemAccessDesc access = {};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  check_driver(d.set_access(as_address(address), kCudaPageBytes, &access, 1), "cuMemSetAccess");
+  map_page(address, static_cast<CUmemGenericAllocationHandle>(page), device_);
 }
 
 void CudaBackend::page_unmap(void* address, std::size_t bytes) {
@@ -184,6 +193,107 @@ void CudaBackend::page_unmap(void* address, std::size_t bytes) {
   DeviceScope scope(device_);
   // The core unmaps only pages whose last use has completed (Note [Layouts]).
   check_driver(driver().unmap(as_address(address), bytes), "cuMemUnmap");
+}
+
+// Parking (Note [Parking] in allocator_core.cpp): the page's bytes move to pinned
+// host memory that the driver maps at the page's own address (cuMemCreate at
+// CU_MEM_LOCATION_TYPE_HOST, CUDA 13), so the job's tensors stay where they are
+// and its kernels still reach them, over the bus. The copies go through a page
+// of address space of the backend's own (`scratch_`), on a stream of its own,
+// the host waiting for each; the core calls this only on pages no work uses.
+bool CudaBackend::page_park(void* address, PageHandle page) {
+#if CUDA_VERSION >= 13000
+  if (!parks_in_host_memory()) return false;
+  DeviceScope scope(device_);
+  const Driver& d = driver();
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+  CUmemGenericAllocationHandle host = 0;
+  if (d.mem_create(&host, kCudaPageBytes, &prop, 0) != CUDA_SUCCESS) {
+    (void)cudaGetLastError();
+    return false;  // no host memory for it: the job gives way, as where none can be had
+  }
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  bool page_unmapped = false;
+  try {
+    map_page(scratch(), host, device_);
+    copy_page(scratch(), address);
+    check_driver(d.unmap(as_address(scratch_), kCudaPageBytes), "cuMemUnmap");
+    check_driver(d.unmap(as_address(address), kCudaPageBytes), "cuMemUnmap");
+    page_unmapped = true;
+    map_page(address, host, device_);
+  } catch (const std::exception&) {  // as it was: the page at its address, with its bytes
+    if (scratch_ != nullptr) d.unmap(as_address(scratch_), kCudaPageBytes);  // (an error where not mapped)
+    if (page_unmapped) {
+      try {
+        map_page(address, static_cast<CUmemGenericAllocationHandle>(page), device_);
+      } catch (...) {
+        d.mem_release(host);
+        throw;
+      }
+    }
+    d.mem_release(host);
+    (void)cudaGetLastError();
+    return false;
+  }
+  // Mapped, the host memory lives until page_unmap or page_unpark unmaps it.
+  check_driver(d.mem_release(host), "cuMemRelease");
+  return true;
+#else
+  (void)address;
+  (void)page;
+  return false;
+#endif
+}
+
+void CudaBackend::page_unpark(void* address, PageHandle page) {
+  DeviceScope scope(device_);
+  const Driver& d = driver();
+  const auto handle = static_cast<CUmemGenericAllocationHandle>(page);
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  map_page(scratch(), handle, device_);
+  try {
+    copy_page(scratch(), address);
+  } catch (...) {
+    d.unmap(as_address(scratch()), kCudaPageBytes);
+    throw;
+  }
+  check_driver(d.unmap(as_address(scratch()), kCudaPageBytes), "cuMemUnmap");
+  check_driver(d.unmap(as_address(address), kCudaPageBytes), "cuMemUnmap");  // the host copy goes
+  map_page(address, handle, device_);
+}
+
+bool CudaBackend::parks_in_host_memory() {
+#if CUDA_VERSION >= 13000
+  std::call_once(host_checked_, [&] {
+    const Driver& d = driver();
+    CUdevice device = 0;
+    int supported = 0;
+    host_pages_ = d.device_get(&device, device_) == CUDA_SUCCESS &&
+                  d.device_attribute(&supported, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                     device) == CUDA_SUCCESS &&
+                  supported != 0;
+  });
+#endif
+  return host_pages_;
+}
+
+// Under copy_mutex_: a page of address space, nothing mapped between copies.
+void* CudaBackend::scratch() {
+  if (scratch_ == nullptr) {
+    scratch_ = va_reserve(kCudaPageBytes);
+    if (scratch_ == nullptr) throw std::runtime_error("wwrun allocator: no address space for a page's copy");
+  }
+  return scratch_;
+}
+
+// Under copy_mutex_: one page's bytes from `from` to `to`, the host waiting.
+void CudaBackend::copy_page(void* to, const void* from) {
+  if (copy_stream_ == 0) copy_stream_ = create_job_stream(device_);
+  check(cudaMemcpyAsync(to, from, kCudaPageBytes, cudaMemcpyDeviceToDevice, as_stream(copy_stream_)),
+        "cudaMemcpyAsync");
+  check(cudaStreamSynchronize(as_stream(copy_stream_)), "cudaStreamSynchronize");
 }
 
 EventHandle CudaBackend::event_create() {

@@ -6,6 +6,7 @@
 // backend per device.
 #pragma once
 
+#include <mutex>
 #include <stdexcept>
 
 #include "backend.h"
@@ -38,6 +39,10 @@ class CudaBackend : public Backend {
   std::size_t va_arena_bytes() const override { return std::size_t{1} << 30; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
+  // In pinned host memory mapped at the page's address, where the driver can
+  // (CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, CUDA 13).
+  bool page_park(void* address, PageHandle page) override;
+  void page_unpark(void* address, PageHandle page) override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;
   void event_record(EventHandle event, StreamId stream) override;
@@ -49,7 +54,16 @@ class CudaBackend : public Backend {
   int device() const { return device_; }
 
  private:
+  bool parks_in_host_memory();
+  void* scratch();
+  void copy_page(void* to, const void* from);
+
   int device_;
+  std::once_flag host_checked_;
+  bool host_pages_ = false;
+  std::mutex copy_mutex_;     // the scratch page and the copy stream: one copy at a time
+  void* scratch_ = nullptr;   // never given back: one page of address space
+  StreamId copy_stream_ = 0;
 };
 
 // A new non-blocking stream on `device`, for one job at a time: torch's pool

@@ -501,7 +501,8 @@ def park_job(job: str, device: str = "cpu") -> int:
     """Moves the pages under `job`'s live blocks on the run's allocator to host
     memory, at the same addresses, and gives them to the budget (Note [Parking] in
     csrc/allocator/allocator_core.cpp); the bytes parked: 0 where the backend cannot
-    park (CUDA, as yet). Its caller's job must not run meanwhile: it waits."""
+    park (a GPU whose driver maps no host memory). Its caller's job must not run
+    meanwhile: it waits."""
     _check_job(job)
     if device == "cuda":
         return _cuda().park_job(torch.cuda.current_device(), job)
