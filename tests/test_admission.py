@@ -36,7 +36,7 @@ def _fragmentation():
 
 
 def _launch(config, tmp_path, **options):
-    for key, value in dict(device="cpu", quiet=True, log_dir=str(tmp_path / "logs"), **options).items():
+    for key, value in {"device": "cpu", "quiet": True, "log_dir": str(tmp_path / "logs"), **options}.items():
         setattr(config, key, value)
     return wwrun.launch(config, display=QuietDisplay(io.StringIO()))
 
@@ -238,13 +238,28 @@ def test_a_job_at_the_limit_fails_as_under_python_once_no_job_frees_anything_for
     assert result.jobs[1].wall_s < 15  # and gave up long before the holder ended
 
 
-def _outgrowing_together(tmp_path):
-    """Two jobs that each hold 40 MiB of temporaries no plan foresaw and each ask for
-    20 more, both at once (tests/scripts/outgrows_together.py): under 90 MiB each
-    fits alone, and together neither can go on unless one lets go."""
+def _outgrowing_together(tmp_path, mib=20, device="cpu"):
+    """Two jobs that each hold 2 x `mib` MiB of temporaries no plan foresaw and each
+    ask for `mib` more, both at once (tests/scripts/outgrows_together.py): under 4.5
+    x `mib` each fits alone, and together neither can go on unless one lets go."""
     script = str(SCRIPTS / "outgrows_together.py")
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    return (script, ["20", first, second]), (script, ["20", second, first])
+    return (script, [str(mib), first, second, device]), (script, [str(mib), second, first, device])
+
+
+def _the_newer_parks_and_both_finish(tmp_path, limit, mib=20, device="cpu"):
+    jobs = _outgrowing_together(tmp_path, mib, device)
+    trace = tmp_path / "trace.json"
+    result = _launch(_jobs(*jobs), tmp_path, memory_limit=limit, trace=str(trace), device=device)
+    _all_finish_within(result, limit)
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert [names[e["tid"]] for e in events if e.get("name") == "parked"] == ["job1"]
+    itself = str(tmp_path / "itself")  # it waits for no other job
+    alone = _launch(_jobs((jobs[1][0], [str(mib), itself, itself, device])), tmp_path / "alone",
+                    policy="concurrent", device=device)
+    read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
+    assert read(result.jobs[0]) == read(result.jobs[1]) == read(alone.jobs[0])
 
 
 def test_of_two_jobs_that_outgrow_their_plans_at_once_the_newer_parks_its_pages_and_both_finish(tmp_path):
@@ -252,21 +267,21 @@ def test_of_two_jobs_that_outgrow_their_plans_at_once_the_newer_parks_its_pages_
     (Note [Parking]) while the other takes them, and come back once it has freed
     them. Both finish, each printing what it prints alone, and the device never
     holds more than the limit. The newer failed with out of memory before."""
-    jobs = _outgrowing_together(tmp_path)
-    trace = tmp_path / "trace.json"
-    result = _launch(_jobs(*jobs), tmp_path, memory_limit=90 * MiB, trace=str(trace))
-    _all_finish_within(result, 90 * MiB)
-    events = json.loads(trace.read_text())["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert [names[e["tid"]] for e in events if e.get("name") == "parked"] == ["job1"]
-    itself = str(tmp_path / "itself")  # it waits for no other job
-    alone = _launch(_jobs((jobs[1][0], ["20", itself, itself])), tmp_path / "alone", policy="concurrent")
-    read = lambda job: (Path(job.log_dir) / "stdout.log").read_text()  # noqa: E731
-    assert read(result.jobs[0]) == read(result.jobs[1]) == read(alone.jobs[0])
+    _the_newer_parks_and_both_finish(tmp_path, 90 * MiB)
+
+
+@pytest.mark.gpu
+@pytest.mark.fresh_process  # wwrun's allocator installs only before CUDA is initialised
+def test_on_cuda_of_two_jobs_that_outgrow_their_plans_at_once_the_newer_parks_and_both_finish(tmp_path):
+    """As above on a GPU, in pinned host memory mapped at the tensors' addresses: 1 GiB
+    temporaries under 4.5 GiB, and 256 MiB more for the job streams' cuBLAS
+    workspaces, which the limit includes (65 MiB each on an H200), not enough for
+    either job's third GiB. Before, the newer failed with out of memory."""
+    _the_newer_parks_and_both_finish(tmp_path, 4608 * MiB + 256 * MiB, mib=1024, device="cuda")
 
 
 def test_where_pages_cannot_be_parked_the_newer_gives_way_and_says_so(tmp_path, monkeypatch):
-    """As on a GPU as yet (its backend parks nothing): the newer's request fails with
+    """As on a GPU whose driver maps no host memory: the newer's request fails with
     out of memory saying it fits alone and gave way, and to whom; the other goes on
     and finishes. With --retries 1, as the error suggests, both finish."""
     from wwrun.memory import engine

@@ -3,7 +3,7 @@ makes two MIB MiB temporaries, says so (writes MINE) and waits for OTHER before 
 makes a third: two of these beside each other both outgrow their plans at once and
 hold what the other needs (each fits alone in 3 x MIB, not both in 5 x MIB).
 
-    python outgrows_together.py MIB MINE OTHER"""
+    python outgrows_together.py MIB MINE OTHER [DEVICE]"""
 import os
 import sys
 import time
@@ -12,17 +12,18 @@ import torch
 from torch import nn
 
 mib, mine, other = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-x, y = torch.randn(32, 16), torch.randn(32, 1)
+x, y = torch.randn(32, 16).to(device), torch.randn(32, 1).to(device)
 for step in range(3):
     loss = ((model(x) - y) ** 2).mean()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
 with torch.no_grad():
-    a = torch.ones((mib << 20) // 4)
+    a = torch.ones((mib << 20) // 4, device=device)
     b = a * 2
     open(mine, "w").close()
     deadline = time.monotonic() + 60
