@@ -1122,7 +1122,8 @@ def test_a_job_s_pages_are_parked_and_brought_back_only_once_the_work_queued_on_
     """Note [Parking]: on a GPU a job's kernels may still be writing its pages when
     it gives way. park_job and unpark_job first wait for the work queued so far on
     every stream its ranges were used on (here A's and A2's, held: their events stay
-    pending until the host waits for them)."""
+    pending until the host waits for them), and a parked copy goes with its last
+    block only once the work queued on that block's stream is done."""
     alloc = one_job_on_streams(reserved_limit=24 * MiB)
     kept, side, later = alloc.alloc(4 * MiB, A), alloc.alloc(2 * MiB, A2), alloc.alloc(2 * MiB, A)
     alloc.hold(A)
@@ -1133,8 +1134,13 @@ def test_a_job_s_pages_are_parked_and_brought_back_only_once_the_work_queued_on_
     assert alloc.park_job("A") == 8 * MiB
     assert alloc.completed_event(A) >= queued
     assert alloc.completed_event(A2) == alloc.last_event(A2) > 0
+    assert alloc.can_park()
     alloc.hold(A)
-    alloc.free(later)  # its copy goes; its free's event, queued on A, is pending
+    queued = alloc.last_event(A) + 1
+    alloc.free(later)  # its copy goes only once the work queued on A is done
+    assert alloc.completed_event(A) >= queued
+    alloc.hold(A)
+    alloc.free(alloc.alloc(1 * MiB, A))  # queued on A: its free's event is pending
     queued = alloc.last_event(A)
     assert alloc.completed_event(A) < queued
     assert alloc.unpark_job("A")

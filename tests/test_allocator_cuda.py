@@ -336,7 +336,9 @@ def test_a_parked_job_keeps_its_bytes_in_host_memory_at_its_addresses_while_its_
     its address, once A's kernel still writing it has finished; A's kernels still
     read and write it there, its pages go to B at the limit, zeroed; once B frees
     them A's bytes come back into device pages."""
-    out = run_fresh(limit_to_room_for(66 << 20) + """  # a page more for A's small blocks
+    out = run_fresh(limit_to_room_for(66 << 20) + """
+        if not wa.can_park("cuda"):
+            print(json.dumps({"can_park": False})); raise SystemExit
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         wa.register_stream(s1, "A"); wa.register_stream(s2, "B")
         n = 16 << 20  # int32: 64 MiB
@@ -357,12 +359,14 @@ def test_a_parked_job_keeps_its_bytes_in_host_memory_at_its_addresses_while_its_
         back = wa.unpark_job("A", "cuda")
         with torch.cuda.stream(s1):
             values = kept.cpu()
-        print(json.dumps({"parked": parked, "held": stats_a["held_bytes"]["current"],
+        print(json.dumps({"can_park": True, "parked": parked, "held": stats_a["held_bytes"]["current"],
                           "parked_bytes": stats_a["parked_bytes"]["current"], "zeros": zeros,
                           "early": early, "back": back, "first": int(values[0]),
                           "rest": bool((values[1:] == 42).all()),
                           "after": wa.job_stats("A")["parked_bytes"]["current"]}))
     """)
+    if not out["can_park"]:
+        pytest.skip("this GPU's driver makes no pinned host memory for the virtual memory API")
     assert out["parked"] == 64 << 20 and out["parked_bytes"] == 64 << 20 and out["held"] == 0
     assert out["zeros"] and not out["early"] and out["back"] and out["after"] == 0
     assert out["first"] == 7 and out["rest"]

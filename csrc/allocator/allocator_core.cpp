@@ -499,10 +499,13 @@ void MemoryFlowAllocator::use_pages(const Block* block, int delta) {
   Segment* segment = block->segment;
   const std::size_t start = static_cast<std::size_t>(block->ptr - segment->base);
   std::int64_t changed = 0;
+  bool finished = false;
   for (std::size_t i = start / page_; i <= (start + block->size - 1) / page_; ++i) {
     PageSlot& slot = segment->pages[i];
     if (delta > 0 ? slot.uses++ != 0 : --slot.uses != 0) continue;
-    if (slot.parked) {  // its last live block went: the copy goes (Note [Parking])
+    if (slot.parked) {  // its last live block went: the copy goes (Note [Parking]) ...
+      if (!finished) finish_stream_work(block->stream);  // ... once no kernel of it still runs
+      finished = true;
       backend_.page_unmap(segment->base + i * page_, page_);
       slot.parked = slot.mapped = false;
       --segment->mapped;
@@ -670,8 +673,10 @@ std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
   Lock lock(mutex_);
   const std::optional<JobId> job = find_job_locked(name);
   if (!job) return 0;
-  wait_for_job_work(lock, *job);
-  freed_cv_.wait(lock, [&] { return !mapping_; });  // pages being mapped under a block: bounded, as in allocate
+  do {  // both at once: each wait lets the lock go
+    freed_cv_.wait(lock, [&] { return !mapping_; });  // pages being mapped under a block: bounded, as in allocate
+    wait_for_job_work(lock, *job);
+  } while (mapping_);
   std::size_t count = 0;
   const auto page = static_cast<std::int64_t>(page_);
   bool can = true;
@@ -697,17 +702,25 @@ std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
 }
 
 // Waits, with the lock let go, for the work queued so far on every stream that
-// used the job's ranges: their blocks' streams, record_stream's, and deferred
-// blocks' (Note [Parking]). An event recorded now on a stream covers all of it.
+// may use the job's pages (Note [Parking]): its registered and side streams, its
+// live blocks' streams and record_stream's, and those of its blocks freed behind
+// a pending event. An event recorded now on a stream covers all of it. (Not the
+// streams of idle cached blocks: nothing of theirs runs, and such a stream may be
+// gone.)
 void MemoryFlowAllocator::wait_for_job_work(Lock& lock, JobId job) {
   std::vector<StreamId> streams;
   const auto add = [&](StreamId stream) {
     if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
   };
+  for (const auto* streams_of : {&stream_jobs_, &side_streams_}) {
+    for (const auto& [stream, owner] : *streams_of) {
+      if (owner == job) add(stream);
+    }
+  }
   for (const auto& [base, segment] : segments_) {
     if (segment->job != job) continue;
     for (const Block* block = segment->head; block != nullptr; block = block->next) {
-      add(block->stream);
+      if (block->allocated || block->event != nullptr) add(block->stream);
       for (StreamId stream : block->extra_streams) add(stream);
       for (const EventRef* event : block->deferred_events) add(event->stream);
     }
@@ -808,6 +821,24 @@ void MemoryFlowAllocator::drop_unused_segments(bool active_too) {
     delete segment;
   }
 }
+
+// Blocks the host until the work queued so far on `stream` is done, with the lock
+// held: only before a parked page's copy goes with its last block, freed by a
+// thread of the job that is not the one parked (Note [Parking]): rare, and a
+// kernel reading an unmapped copy would end every job's context.
+void MemoryFlowAllocator::finish_stream_work(StreamId stream) {
+  const EventHandle event = backend_.event_create();
+  try {
+    backend_.event_record(event, stream);
+    backend_.event_synchronize(event);
+  } catch (...) {
+    backend_.event_destroy(event);
+    throw;
+  }
+  backend_.event_destroy(event);
+}
+
+bool MemoryFlowAllocator::can_park() const { return backend_.can_park(); }
 
 // Bytes of the jobs' pages parked in host memory (Note [Parking]): allocated, not reserved.
 std::int64_t MemoryFlowAllocator::parked_bytes_locked() const {

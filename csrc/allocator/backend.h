@@ -65,6 +65,7 @@ class Backend {
   // `address` in `page` and maps it there, over the copy; page_unmap lets a
   // copy go. Only on pages no work uses.
   virtual bool page_park(void* /*address*/, PageHandle /*page*/) { return false; }
+  virtual bool can_park() { return false; }  // false: page_park always is
   virtual void page_unpark(void* /*address*/, PageHandle /*page*/) {}
 
   virtual EventHandle event_create() = 0;

@@ -193,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segments", [] { return wwrun::alloc::segments_list(cpu::core().allocator.segments()); });
   m.def("reset_peak", [](std::optional<int> job) { cpu::core().allocator.reset_peak(job); });
   m.def("find_job", [](const std::string& job) { return cpu::core().allocator.find_job(job); });
+  m.def("can_park", [] { return cpu::core().allocator.can_park(); });
   m.def("park_job", [](const std::string& job) {
     py::gil_scoped_release released;
     return cpu::core().allocator.park_job(job);

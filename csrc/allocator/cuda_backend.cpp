@@ -54,6 +54,8 @@ struct Driver {
   decltype(&cuGetErrorString) error_string = nullptr;
   decltype(&cuDeviceGet) device_get = nullptr;
   decltype(&cuDeviceGetAttribute) device_attribute = nullptr;
+  decltype(&cuMemRetainAllocationHandle) retain_handle = nullptr;
+  decltype(&cuMemcpyDtoDAsync) copy_async = nullptr;
 };
 
 template <typename Fn>
@@ -87,6 +89,8 @@ const Driver& driver() {
     look_up("cuGetErrorString", &d.error_string);
     look_up("cuDeviceGet", &d.device_get);
     look_up("cuDeviceGetAttribute", &d.device_attribute);
+    look_up("cuMemRetainAllocationHandle", &d.retain_handle);
+    look_up("cuMemcpyDtoDAsync", &d.copy_async);
     return d;
   }();
   return loaded;
@@ -196,22 +200,21 @@ void CudaBackend::page_unmap(void* address, std::size_t bytes) {
 }
 
 // Parking (Note [Parking] in allocator_core.cpp): the page's bytes move to pinned
-// host memory that the driver maps at the page's own address (cuMemCreate at
-// CU_MEM_LOCATION_TYPE_HOST, CUDA 13), so the job's tensors stay where they are
-// and its kernels still reach them, over the bus. The copies go through a page
-// of address space of the backend's own (`scratch_`), on a stream of its own,
-// the host waiting for each; the core calls this only on pages no work uses.
+// host memory that the driver maps at the page's own address (cuMemCreate at a
+// host location), so the job's tensors stay where they are and its kernels still
+// reach them, over the bus. The copies go through a page of address space of the
+// backend's own (`scratch_`), on a stream of its own, the host waiting for each;
+// the core calls this only on pages no work uses. (Pointer queries, Triton's
+// among them, see a parked tensor as host memory.)
 bool CudaBackend::page_park(void* address, PageHandle page) {
-#if CUDA_VERSION >= 13000
-  if (!parks_in_host_memory()) return false;
+  if (!can_park()) return false;
   DeviceScope scope(device_);
   const Driver& d = driver();
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+  prop.location = host_location_;
   CUmemGenericAllocationHandle host = 0;
   if (d.mem_create(&host, kCudaPageBytes, &prop, 0) != CUDA_SUCCESS) {
-    (void)cudaGetLastError();
     return false;  // no host memory for it: the job gives way, as where none can be had
   }
   std::lock_guard<std::mutex> lock(copy_mutex_);
@@ -234,17 +237,10 @@ bool CudaBackend::page_park(void* address, PageHandle page) {
       }
     }
     d.mem_release(host);
-    (void)cudaGetLastError();
     return false;
   }
-  // Mapped, the host memory lives until page_unmap or page_unpark unmaps it.
-  check_driver(d.mem_release(host), "cuMemRelease");
+  d.mem_release(host);  // mapped, it lives until page_unmap or page_unpark unmaps it
   return true;
-#else
-  (void)address;
-  (void)page;
-  return false;
-#endif
 }
 
 void CudaBackend::page_unpark(void* address, PageHandle page) {
@@ -256,24 +252,60 @@ void CudaBackend::page_unpark(void* address, PageHandle page) {
   try {
     copy_page(scratch(), address);
   } catch (...) {
-    d.unmap(as_address(scratch()), kCudaPageBytes);
+    d.unmap(as_address(scratch_), kCudaPageBytes);
     throw;
   }
-  check_driver(d.unmap(as_address(scratch()), kCudaPageBytes), "cuMemUnmap");
-  check_driver(d.unmap(as_address(address), kCudaPageBytes), "cuMemUnmap");  // the host copy goes
-  map_page(address, handle, device_);
+  check_driver(d.unmap(as_address(scratch_), kCudaPageBytes), "cuMemUnmap");
+  // The host copy, held while it is unmapped: mapped back should the page fail to map.
+  CUmemGenericAllocationHandle host = 0;
+  check_driver(d.retain_handle(&host, address), "cuMemRetainAllocationHandle");
+  const CUresult unmapped = d.unmap(as_address(address), kCudaPageBytes);
+  if (unmapped != CUDA_SUCCESS) d.mem_release(host);
+  check_driver(unmapped, "cuMemUnmap");
+  try {
+    map_page(address, handle, device_);
+  } catch (...) {
+    map_page(address, host, device_);  // still parked, as the core counts it
+    d.mem_release(host);
+    throw;
+  }
+  d.mem_release(host);  // unmapped: the copy goes
 }
 
-bool CudaBackend::parks_in_host_memory() {
-#if CUDA_VERSION >= 13000
+// Whether the driver makes pinned host memory for the virtual memory API on this
+// device: at CU_MEM_LOCATION_TYPE_HOST (CUDA 13), else on the device's host NUMA
+// node (CUDA 12.2 on, where the driver says so), in pieces that divide a page.
+bool CudaBackend::can_park() {
+#if CUDA_VERSION >= 12020
   std::call_once(host_checked_, [&] {
+    // The attributes by number: CUDA 12's headers name only some of them.
+    constexpr auto kHostVmm = static_cast<CUdevice_attribute>(145);      // ..._HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    constexpr auto kHostNumaVmm = static_cast<CUdevice_attribute>(141);  // ..._HOST_NUMA_VIRTUAL_MEMORY_...
+    constexpr auto kHostNumaId = static_cast<CUdevice_attribute>(134);   // ..._HOST_NUMA_ID
     const Driver& d = driver();
     CUdevice device = 0;
-    int supported = 0;
-    host_pages_ = d.device_get(&device, device_) == CUDA_SUCCESS &&
-                  d.device_attribute(&supported, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                                     device) == CUDA_SUCCESS &&
-                  supported != 0;
+    if (d.device_get(&device, device_) != CUDA_SUCCESS) return;
+    const auto attribute = [&](CUdevice_attribute which) {
+      int value = 0;
+      return d.device_attribute(&value, which, device) == CUDA_SUCCESS ? value : 0;
+    };
+    if (attribute(kHostVmm) != 0) {
+      host_location_.type = static_cast<CUmemLocationType>(0x2);  // CU_MEM_LOCATION_TYPE_HOST
+      host_location_.id = 0;
+    } else if (attribute(kHostNumaVmm) != 0) {
+      int node = -1;
+      if (d.device_attribute(&node, kHostNumaId, device) != CUDA_SUCCESS) node = -1;
+      host_location_.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+      host_location_.id = node < 0 ? 0 : node;  // 0 where the host has no NUMA
+    } else {
+      return;
+    }
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = host_location_;
+    std::size_t granularity = 0;
+    host_pages_ = d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS &&
+                  granularity != 0 && kCudaPageBytes % granularity == 0;
   });
 #endif
   return host_pages_;
@@ -288,11 +320,13 @@ void* CudaBackend::scratch() {
   return scratch_;
 }
 
-// Under copy_mutex_: one page's bytes from `from` to `to`, the host waiting.
+// Under copy_mutex_: one page's bytes from `from` to `to`, both device addresses
+// (one of them mapping host memory), the host waiting.
 void CudaBackend::copy_page(void* to, const void* from) {
   if (copy_stream_ == 0) copy_stream_ = create_job_stream(device_);
-  check(cudaMemcpyAsync(to, from, kCudaPageBytes, cudaMemcpyDeviceToDevice, as_stream(copy_stream_)),
-        "cudaMemcpyAsync");
+  check_driver(driver().copy_async(as_address(to), as_address(const_cast<void*>(from)), kCudaPageBytes,
+                                   reinterpret_cast<CUstream>(copy_stream_)),
+               "cuMemcpyDtoDAsync");
   check(cudaStreamSynchronize(as_stream(copy_stream_)), "cudaStreamSynchronize");
 }
 

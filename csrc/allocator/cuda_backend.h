@@ -9,6 +9,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include <cuda.h>
+
 #include "backend.h"
 
 namespace wwrun::alloc {
@@ -39,10 +41,11 @@ class CudaBackend : public Backend {
   std::size_t va_arena_bytes() const override { return std::size_t{1} << 30; }
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
-  // In pinned host memory mapped at the page's address, where the driver can
-  // (CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, CUDA 13).
+  // In pinned host memory mapped at the page's address, where the driver makes
+  // it (can_park: a host location for the virtual memory API, CUDA 12.2 on).
   bool page_park(void* address, PageHandle page) override;
   void page_unpark(void* address, PageHandle page) override;
+  bool can_park() override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;
   void event_record(EventHandle event, StreamId stream) override;
@@ -54,13 +57,13 @@ class CudaBackend : public Backend {
   int device() const { return device_; }
 
  private:
-  bool parks_in_host_memory();
   void* scratch();
   void copy_page(void* to, const void* from);
 
   int device_;
   std::once_flag host_checked_;
   bool host_pages_ = false;
+  CUmemLocation host_location_ = {};  // where parked pages go (can_park)
   std::mutex copy_mutex_;     // the scratch page and the copy stream: one copy at a time
   void* scratch_ = nullptr;   // never given back: one page of address space
   StreamId copy_stream_ = 0;

@@ -37,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     tc::core(device).set_expected_releases(jobs, wait_s);
   });
   m.def("find_job", [](int device, const std::string& job) { return tc::core(device).find_job(job); });
+  m.def("can_park", [](int device) { return tc::core(device).can_park(); });
   m.def("park_job", [](int device, const std::string& job) {  // 0: the driver maps no host memory (Note [Parking])
     py::gil_scoped_release released;
     return tc::core(device).park_job(job);

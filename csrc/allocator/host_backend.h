@@ -68,6 +68,7 @@ class HostBackend : public Backend {
   void page_map(void* address, PageHandle page) override;
   void page_unmap(void* address, std::size_t bytes) override;
   bool page_park(void* address, PageHandle page) override;
+  bool can_park() override { return !forked_; }
   void page_unpark(void* address, PageHandle page) override;
   EventHandle event_create() override;
   void event_destroy(EventHandle event) override;

@@ -141,6 +141,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](HostAllocator& self, const std::string& name) {
              return self.allocator().find_job(name);
            })
+      .def("can_park", [](HostAllocator& self) { return self.allocator().can_park(); })
       .def("park_job",
            [](HostAllocator& self, const std::string& name) { return self.allocator().park_job(name); })
       .def("unpark_job",

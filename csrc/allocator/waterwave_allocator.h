@@ -477,6 +477,7 @@ class MemoryFlowAllocator {
   // bytes parked (0 where the backend cannot, or for an unknown job). unpark_job
   // brings them back, all or none: false when the budget has not the pages.
   std::size_t park_job(const std::string& job);
+  bool can_park() const;  // whether the backend can park at all
   bool unpark_job(const std::string& job);
 
   // Rule f: jobs expected to free memory soon. An empty list disables rule f.
@@ -541,6 +542,7 @@ class MemoryFlowAllocator {
   std::size_t cut_idle_pages(std::size_t wanted, JobId job, bool ended_only = false);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   void wait_for_job_work(Lock& lock, JobId job);
+  void finish_stream_work(StreamId stream);
   std::size_t cut_pages(Block* block, std::vector<FreePage>* into = nullptr);
   std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr,
                              std::size_t most = SIZE_MAX);

@@ -37,6 +37,7 @@ __all__ = [
     "AllocationTrace",
     "Headroom",
     "HostAllocator",
+    "can_park",
     "capacity_headroom",
     "close_admission",
     "cpu_empty_cache",
@@ -354,6 +355,9 @@ class HostAllocator:
         capped at its job's headroom (its limit, and the device less what all hold)."""
         return self._impl.cache_info(stream)
 
+    def can_park(self) -> bool:
+        return self._impl.can_park()
+
     def park_job(self, job: str) -> int:
         """The module's park_job, on this allocator."""
         return self._impl.park_job(_check_job(job))
@@ -495,6 +499,15 @@ def job_meter(job: str, device: str = "cpu") -> Callable[[bool], tuple[int, int]
     if job_id is None:
         raise ValueError(f"unknown job {job!r}")
     return read
+
+
+def can_park(device: str = "cpu") -> bool:
+    """Whether the run's allocator can park a job's pages in host memory (Note
+    [Parking]): on the CPU, yes; on a GPU, where its driver makes pinned host memory
+    for the virtual memory API (CUDA 12.2 on, as the device says)."""
+    if device == "cuda":
+        return _cuda().can_park(torch.cuda.current_device())
+    return _cpu().can_park()
 
 
 def park_job(job: str, device: str = "cpu") -> int:
