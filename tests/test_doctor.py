@@ -406,3 +406,10 @@ def test_an_interrupted_doctor_ends_the_step_it_was_running(tmp_path):
         return
     os.killpg(pid, signal.SIGKILL)
     pytest.fail("the step's process outlived the interrupted doctor")
+
+
+def test_the_headroom_line_says_whether_a_job_that_gives_way_at_the_limit_parks():
+    figures = {"process_bytes": 500 << 20, "per_thread_bytes": 2 << 20, "stream_fixed_bytes": 65 << 20,
+               "kept_bytes": 600 << 20}
+    assert "parks in host memory" in doctor._headroom_detail({**figures, "can_park": True})
+    assert "fails: the driver makes no pinned host memory" in doctor._headroom_detail({**figures, "can_park": False})

@@ -351,7 +351,9 @@ def check_headroom(device: str) -> Check:
 def _headroom_detail(figures: dict) -> str:
     return (f"outside the allocator {_size(figures['process_bytes'])} at the first warm-up, "
             f"{_size(figures['per_thread_bytes'])} per further thread; each job stream's cuBLAS workspaces "
-            f"{_size(figures['stream_fixed_bytes'])}; kept back for one job: {_size(figures['kept_bytes'])}")
+            f"{_size(figures['stream_fixed_bytes'])}; kept back for one job: {_size(figures['kept_bytes'])}; "
+            + ("a job that gives way at the limit parks in host memory" if figures.get("can_park") else
+               "a job that gives way at the limit fails: the driver makes no pinned host memory for its pages"))
 
 
 QUICK: list[Callable[[str], Check]] = [check_environment, check_allocator, check_headroom, check_kernels,
@@ -465,7 +467,7 @@ def headroom(device: str, folder: str) -> int:
     measured = allocator.measure_headroom()
     print(json.dumps({**measured._asdict(), "kept_bytes": allocator.capacity_headroom(measured),
                       "unforeseen_bytes": allocator.CAPACITY_HEADROOM_BYTES,
-                      "allocator": allocator.in_use(device)}))
+                      "can_park": allocator.can_park("cuda"), "allocator": allocator.in_use(device)}))
     return 0
 
 
