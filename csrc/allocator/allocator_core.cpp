@@ -665,8 +665,10 @@ std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
 // with its last block while a scrub writes there). A page is copied only once
 // the work queued on it is done (a GPU's kernels may still be writing it): park
 // and unpark first wait for every stream the job's ranges were used on
-// (wait_for_job_work). Where the backend cannot park (a GPU whose driver maps
-// no host memory), the job gives way as before: its request fails. Writes by
+// (wait_for_job_work), and a copy that goes with its last block goes once that
+// block's stream is done (finish_stream_work). Where the backend cannot park (a
+// GPU whose driver maps no host memory), the job gives way as before: its
+// request fails. Writes by
 // the job's other threads between a copy and its mapping are lost: only the
 // job's own thread waits, and it is the one parked.
 std::size_t MemoryFlowAllocator::park_job(const std::string& name) {
