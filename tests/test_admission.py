@@ -251,6 +251,7 @@ def _the_newer_parks_and_both_finish(tmp_path, limit, mib=20, device="cpu"):
     jobs = _outgrowing_together(tmp_path, mib, device)
     trace = tmp_path / "trace.json"
     result = _launch(_jobs(*jobs), tmp_path, memory_limit=limit, trace=str(trace), device=device)
+    assert result.extra["offload_host_peak_bytes"] >= 2 * mib * MiB  # its copies: host memory the limit counts
     if device == "cuda":
         from wwrun.memory import allocator
 
@@ -304,6 +305,19 @@ def test_where_pages_cannot_be_parked_the_newer_gives_way_and_says_so(tmp_path, 
     (tmp_path / "retried").mkdir()
     retried = _launch(_jobs(*jobs), tmp_path / "retried", memory_limit=90 * MiB, retries=1)
     assert [job.state.value for job in retried.jobs] == ["succeeded", "succeeded"], [j.error for j in retried.jobs]
+
+
+def test_parked_pages_take_host_memory_the_offload_limit_allows_or_the_newer_gives_way_and_says_so(tmp_path):
+    """A parked job's copies are host memory (pinned, on a GPU): they count against
+    --offload-limit, as offloaded activations do. Under 1 MiB the newer's 40 MiB
+    cannot park: its request fails saying so, and the other finishes."""
+    jobs = _outgrowing_together(tmp_path)
+    result = _launch(_jobs(*jobs), tmp_path, memory_limit=90 * MiB, offload_limit=1 * MiB)
+    assert [job.state.value for job in result.jobs] == ["succeeded", "failed"], [job.error for job in result.jobs]
+    error = result.jobs[1].error
+    assert "it gives way to 'job0', there first (alone it would fit" in error, error
+    assert "; it could not park: its " in error and " of host memory --offload-limit leaves" in error, error
+    assert result.extra["offload_host_peak_bytes"] <= 1 * MiB
 
 
 def test_a_job_whose_first_pass_is_an_evaluation_waits_for_room_for_it(tmp_path):

@@ -23,8 +23,8 @@ POLICIES = ("waterwave", "concurrent", "sequential")
 QUEUES = ("fifo", "las")
 OFFLOAD_MODES = ("never", "auto", "always")
 OFFLOAD_HOST_SHARE = 0.5
-"""Without --offload-limit, offloaded activations may take this share of the host
-memory available when the run starts."""
+"""Without --offload-limit, offloaded activations and parked pages may take this
+share of the host memory available when the run starts."""
 HALTS = ("never", "soon", "now")
 
 # Job names become folder names under the log directory: one rule, used by the CLI
@@ -335,9 +335,11 @@ class LaunchConfig:
     memory instead of failing; always, every job does."""
     offload_limit: int | float | None = option(
         None, kind="size", metavar="SIZE",
-        help=f"host memory offloaded activations may take (default: {OFFLOAD_HOST_SHARE * 100:.0f}%% of available)")
+        help=f"host memory offloaded activations and parked pages may take (default: "
+             f"{OFFLOAD_HOST_SHARE * 100:.0f}%% of available)")
     """Host bytes (int) or a fraction (float) of the host memory available at start
-    that offloaded activations may take; None: OFFLOAD_HOST_SHARE of it."""
+    that offloaded activations and jobs' pages parked at the limit may take; None:
+    OFFLOAD_HOST_SHARE of it."""
     log_dir: str = option("wwrun_logs", kind="text", metavar="DIR", help="where logs go (default: wwrun_logs)")
     """Logs go to <log_dir>/<run_id>/<job>/{stdout.log,stderr.log,error.json}."""
     tee: bool = option(False, kind="flag", help="echo every job line to the terminal")

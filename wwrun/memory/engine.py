@@ -206,6 +206,8 @@ class _Job:
     limit_parked: float = 0.0  # since when it has given way at the limit, its pages parked (Note [Parking])
     parked_persistent: int = 0  # its persistent bytes in the plan before it parked
     parked_this_request: bool = False  # its request at the limit parks at most once
+    parked_bytes: int = 0  # host memory its parked pages take (of the offload limit's)
+    not_parked: str = ""  # why it could not park, said when it gives way
     # The allocator's view (see the module's docstring); meter(restart) -> (now, window peak).
     meter: Callable[[bool], tuple[int, int]] | None = None
     baseline: int | None = None  # bytes when the current iteration's pass started
@@ -296,6 +298,7 @@ class Engine:
         self._current_job = current_job or (lambda: getattr(self._local, "job", None))
         self._offload_options = (offload, offload_limit)
         self._offloader = None  # made at first need (Memory makes it at start-up)
+        self._parking_pool = None  # with --offload never: the host memory parked pages take (_host_pool)
         # Critical sections take the lock itself, not the condition: Condition's
         # __enter__/__exit__ are Python code, and a job's Ctrl-C (an asynchronous
         # exception, often landing in a saved tensor's finalizer here) raised at the
@@ -405,6 +408,9 @@ class Engine:
             if job is None or job.ended is not None:
                 return
             job.ended = time.perf_counter()
+            if job.parked_bytes:  # its copies went with its tensors
+                self._host_pool().release(job.parked_bytes)
+                job.parked_bytes = 0
             if job.current is not None:
                 self._end_pass(job, failed=True)
             for model in job.models:
@@ -1063,6 +1069,8 @@ class Engine:
         Returns `why`, which the allocator's message ends with."""
         self._waited(job, "wait limit", started)
         job.limit_wait = None
+        if why and job.not_parked:
+            why, job.not_parked = f"{why}; it could not park: {job.not_parked}", ""
         try:
             if job.limit_parked and not self._unpark(job):  # its pages come back at its next wait here
                 self._back_in_plan(job)  # planned as if there
@@ -1083,8 +1091,21 @@ class Engine:
         copy them out and back until the bound."""
         if self.pages_parking is None or job.limit_parked or job.parked_this_request:
             return False
-        if not self.pages_parking[0](job.name):
+        # Its copies are host memory: counted against the offload limit, as offloaded
+        # activations are (pinned memory past it would starve the machine).
+        holds, pool = job.meter(False)[0], self._host_pool()
+        if pool is None or not pool.reserve(holds):
+            from wwrun.config import format_size
+
+            room = max(0, pool.limit - pool.held) if pool is not None else 0
+            job.not_parked = (f"its {format_size(holds)} would not fit in the {format_size(room)} of host"
+                              f" memory --offload-limit leaves")
             return False
+        parked = self.pages_parking[0](job.name)
+        pool.release(holds - parked)  # what it parked: the pages under its live blocks
+        if not parked:
+            return False
+        job.parked_bytes, job.not_parked = parked, ""
         job.parked_this_request = True
         job.limit_parked = time.perf_counter()
         job.failed, job.no_room = None, False  # told to give way meanwhile: it has
@@ -1099,6 +1120,8 @@ class Engine:
         """Under the lock: the job's parked pages back in the budget, all or none."""
         if not self.pages_parking[1](job.name):
             return False
+        self._host_pool().release(job.parked_bytes)
+        job.parked_bytes = 0
         self.timeline.span(job.name, "parked", job.limit_parked, time.perf_counter())
         job.limit_parked = 0.0
         self._back_in_plan(job)
@@ -1215,6 +1238,19 @@ class Engine:
         if now - since > 1e-4:
             job.wait_s += now - since
             self.timeline.span(job.name, label if group is None else f"{label}{group}", since, now)
+
+    def _host_pool(self):
+        """The host memory the offload limit allows, for offloaded activations and
+        parked pages alike: the offloader's pool, or with --offload never one for
+        parked pages alone; None with a limit of 0."""
+        if self.offloader is not None:
+            return self.offloader.pool
+        _mode, limit = self._offload_options
+        if self._parking_pool is None and limit:
+            from wwrun.memory.offload import HostPool
+
+            self._parking_pool = HostPool(limit, pinned=False)
+        return self._parking_pool
 
     # ---- offload (wwrun/memory/offload.py) ---------------------------------------------
     # A job whose iteration cannot fit what it can ever have stashes the tensors its

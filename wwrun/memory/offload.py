@@ -126,6 +126,25 @@ class HostPool:
             self.peak = max(self.peak, self.held)
         return self._allocate(nbytes), None
 
+    def reserve(self, nbytes: int) -> bool:
+        """Counts `nbytes` of host memory made outside the pool (a job's pages parked
+        at the limit, Note [Parking]) against its limit, evicting free buffers for
+        them; False, with nothing counted, when the limit leaves no room."""
+        with self._lock:
+            while self.held + nbytes > self.limit and self._evict():
+                pass
+            if self.held + nbytes > self.limit:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Counts `nbytes` reserved no longer (negative: more than reserved were made)."""
+        with self._lock:
+            self.held -= nbytes
+            self.peak = max(self.peak, self.held)
+
     def _evict(self) -> bool:
         """Frees the largest free buffer no copy still uses; False if none."""
         for size in sorted(self._free, reverse=True):
