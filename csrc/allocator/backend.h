@@ -12,7 +12,10 @@
 // Blocking contract: the core calls pages_create and event_synchronize with its
 // lock released (they may block the host for milliseconds); every other call
 // must not wait for the device and may be made under the lock (page_release,
-// page_map/unmap and va_reserve only on pages and ranges no work uses).
+// page_map/unmap and va_reserve only on pages and ranges no work uses). Two
+// exceptions, as parking is rare and all or none: page_park and page_unpark
+// wait for their own copies, and the core waits for a stream before a parked
+// copy goes with its last block (Note [Parking] in allocator_core.cpp).
 #pragma once
 
 #include <cstddef>
