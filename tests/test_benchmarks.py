@@ -111,6 +111,17 @@ def test_offload_writes_the_allocator_its_runs_recorded_to_out(tmp_path):
         "waterwave"
 
 
+def test_parking_moves_a_job_s_bytes_to_host_memory_and_back_intact(tmp_path):
+    out = tmp_path / "parking.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "parking.py"), "--mib", "128", "--repeats", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.splitlines()[-1])
+    assert figures == json.loads(out.read_text())
+    assert figures["parked_bytes"] == 128 << 20 and figures["intact"] and figures["park_gb_per_s"] > 0
+    assert figures["allocator"] == "waterwave (host backend)"
+
+
 def test_launcher_overhead_and_scale_out_read_the_allocator_each_run_and_engine_recorded(tmp_path):
     job = str(SCRIPTS / "ending.py")
     one = wwrun_report(tmp_path, "one", job, "ok")

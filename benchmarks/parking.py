@@ -1,0 +1,126 @@
+"""Parking's cost: how fast a job's pages go to host memory and come back.
+
+    python benchmarks/parking.py                       # the host backend (CPU)
+    python benchmarks/parking.py --device cuda --out F   # a GPU: wwrun's CUDA allocator
+
+When jobs that outgrew their plans at once each hold what the others need, the one
+that gives way parks (Note [Parking] in csrc/allocator/allocator_core.cpp): the pages
+under its live tensors are copied to host memory at the same addresses, and back
+when there is room. Both copies run under the allocator's lock, so every other
+job's allocations wait for them. Here job A holds --mib MiB (64 MiB tensors, each
+filled with its own value), and `park_job` then `unpark_job` run --repeats times;
+reported: the median GB/s of each (GB = 1e9 bytes), the slowest park in seconds,
+and whether every byte came back. A GPU whose driver makes no pinned host memory
+for the virtual memory API reports `can_park: false` and nothing else. Prints the
+figures, then LAST one JSON object on one line, with the allocator measured:
+wwrun's, on its CUDA backend or its host one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's wwrun
+MiB = 1 << 20
+TENSOR = 64 * MiB
+
+
+def on_host(nbytes: int, repeats: int) -> dict:
+    """The host backend (the CPU run's): HostAllocator, job A on stream 1."""
+    from wwrun.memory.allocator import HostAllocator
+
+    alloc = HostAllocator(2 * nbytes + 64 * MiB)
+    alloc.register_stream(1, "A")
+    ptrs = [alloc.alloc(TENSOR, 1) for _ in range(nbytes // TENSOR)]
+    for i, ptr in enumerate(ptrs):
+        alloc.write(ptr, bytes([i % 251 + 1]) * TENSOR)
+
+    def intact() -> bool:
+        return all(alloc.read(ptr, TENSOR) == bytes([i % 251 + 1]) * TENSOR for i, ptr in enumerate(ptrs))
+
+    figures = _timed(lambda: alloc.park_job("A"), lambda: alloc.unpark_job("A"), repeats)
+    return {**figures, "intact": intact(), "allocator": "waterwave (host backend)", "can_park": alloc.can_park()}
+
+
+def on_cuda(nbytes: int, repeats: int) -> dict:
+    """wwrun's CUDA allocator, installed before CUDA starts; job A on a stream of its own."""
+    from wwrun.memory import allocator
+
+    allocator.install()
+    import torch
+
+    used = allocator.in_use("cuda")
+    if used != "waterwave":
+        raise RuntimeError(f"the tensors are on the {used!r} allocator, not wwrun's: its figures would not be ours")
+    if not allocator.can_park("cuda"):
+        return {"can_park": False, "allocator": used}
+    stream = torch.cuda.Stream()
+    allocator.register_stream(stream, "A")
+    with torch.cuda.stream(stream):
+        tensors = [torch.full((TENSOR // 4,), i + 1, dtype=torch.int32, device="cuda")
+                   for i in range(nbytes // TENSOR)]
+    torch.cuda.synchronize()
+
+    def intact() -> bool:
+        with torch.cuda.stream(stream):
+            return all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
+
+    figures = _timed(lambda: allocator.park_job("A", "cuda"), lambda: allocator.unpark_job("A", "cuda"), repeats)
+    return {**figures, "intact": intact(), "allocator": used, "can_park": True,
+            "device_name": torch.cuda.get_device_name()}
+
+
+def _timed(park, unpark, repeats: int) -> dict:
+    parks, unparks, parked = [], [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        parked = park()
+        parks.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if not unpark():
+            raise RuntimeError("unpark_job found no room for the parked pages")
+        unparks.append(time.perf_counter() - start)
+    if not parked:
+        raise RuntimeError("park_job parked nothing")
+    return {"parked_bytes": parked, "repeats": repeats,
+            "park_gb_per_s": round(parked / statistics.median(parks) / 1e9, 3),
+            "unpark_gb_per_s": round(parked / statistics.median(unparks) / 1e9, 3),
+            "slowest_park_s": round(max(parks), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--mib", type=int, default=None,
+                        help="what job A holds (default: 256 on the CPU, 2048 on a GPU)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    mib = args.mib or (2048 if args.device == "cuda" else 256)
+    if mib * MiB < TENSOR or args.repeats < 1:
+        parser.error(f"--mib must be at least {TENSOR // MiB} and --repeats at least 1")
+    run = on_cuda if args.device == "cuda" else on_host
+    figures = {"device": args.device, "command": " ".join(["python", *sys.argv]), "mib": mib,
+               **run(mib * MiB, args.repeats)}
+    import torch
+
+    figures["torch"] = torch.__version__
+    if "park_gb_per_s" in figures:
+        print(f"parked {figures['parked_bytes'] / MiB:.0f} MiB: park {figures['park_gb_per_s']} GB/s, unpark "
+              f"{figures['unpark_gb_per_s']} GB/s (median of {args.repeats}), slowest park "
+              f"{figures['slowest_park_s']} s; bytes back intact: {figures['intact']}", flush=True)
+    print(json.dumps(figures))
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+    if figures.get("intact") is False:
+        sys.exit("parking: the bytes that came back are not the ones parked")
+
+
+if __name__ == "__main__":
+    main()
