@@ -12,8 +12,8 @@ filled with its own value), and `park_job` then `unpark_job` run --repeats times
 reported: the median GB/s of each (GB = 1e9 bytes), the slowest park in seconds,
 and whether every byte came back. A GPU whose driver makes no pinned host memory
 for the virtual memory API reports `can_park: false` and nothing else. Prints the
-figures, then LAST one JSON object on one line, with the allocator measured:
-wwrun's, on its CUDA backend or its host one.
+figures, then LAST one JSON object on one line, with the allocator measured
+(`allocator`: wwrun's, a fallback to PyTorch's stops it) and its `backend`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's wwrun
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's wwrun
+sys.path.append(HERE)  # benchmarks/measured.py
+from measured import WWRUN, measured_on  # noqa: E402
+
 MiB = 1 << 20
 TENSOR = 64 * MiB
 
@@ -45,7 +49,7 @@ def on_host(nbytes: int, repeats: int) -> dict:
         return all(alloc.read(ptr, TENSOR) == bytes([i % 251 + 1]) * TENSOR for i, ptr in enumerate(ptrs))
 
     figures = _timed(lambda: alloc.park_job("A"), lambda: alloc.unpark_job("A"), repeats)
-    return {**figures, "intact": intact(), "allocator": "waterwave (host backend)", "can_park": alloc.can_park()}
+    return {**figures, "intact": intact(), "allocator": WWRUN, "backend": "host", "can_park": alloc.can_park()}
 
 
 def on_cuda(nbytes: int, repeats: int) -> dict:
@@ -55,11 +59,9 @@ def on_cuda(nbytes: int, repeats: int) -> dict:
     allocator.install()
     import torch
 
-    used = allocator.in_use("cuda")
-    if used != "waterwave":
-        raise RuntimeError(f"the tensors are on the {used!r} allocator, not wwrun's: its figures would not be ours")
+    used = measured_on(allocator.in_use("cuda"), WWRUN, "job A's tensors")
     if not allocator.can_park("cuda"):
-        return {"can_park": False, "allocator": used}
+        return {"can_park": False, "allocator": used, "backend": "cuda"}
     stream = torch.cuda.Stream()
     allocator.register_stream(stream, "A")
     with torch.cuda.stream(stream):
@@ -72,7 +74,7 @@ def on_cuda(nbytes: int, repeats: int) -> dict:
             return all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
 
     figures = _timed(lambda: allocator.park_job("A", "cuda"), lambda: allocator.unpark_job("A", "cuda"), repeats)
-    return {**figures, "intact": intact(), "allocator": used, "can_park": True,
+    return {**figures, "intact": intact(), "allocator": used, "backend": "cuda", "can_park": True,
             "device_name": torch.cuda.get_device_name()}
 
 

@@ -119,7 +119,7 @@ def test_parking_moves_a_job_s_bytes_to_host_memory_and_back_intact(tmp_path):
     figures = json.loads(done.stdout.splitlines()[-1])
     assert figures == json.loads(out.read_text())
     assert figures["parked_bytes"] == 128 << 20 and figures["intact"] and figures["park_gb_per_s"] > 0
-    assert figures["allocator"] == "waterwave (host backend)"
+    assert figures["allocator"] == "waterwave" and figures["backend"] == "host"
 
 
 def test_launcher_overhead_and_scale_out_read_the_allocator_each_run_and_engine_recorded(tmp_path):
