@@ -7,10 +7,10 @@ When jobs that outgrew their plans at once each hold what the others need, the o
 that gives way parks (Note [Parking] in csrc/allocator/allocator_core.cpp): the pages
 under its live tensors are copied to host memory at the same addresses, and back
 when there is room. Both copies run under the allocator's lock, so every other
-job's allocations wait for them. Here job A holds --mib MiB (64 MiB tensors, each
-filled with its own value), and `park_job` then `unpark_job` run --repeats times;
-reported: the median GB/s of each (GB = 1e9 bytes), the slowest park in seconds,
-and whether every byte came back. A GPU whose driver makes no pinned host memory
+job's allocations wait for them. Here job A holds --mib MiB (64 MiB tensors, no
+two of their pages alike), and `park_job` then `unpark_job` run --repeats times
+after an untimed round; reported: the median GB/s of each (GB = 1e9 bytes), the
+slowest park in seconds, and whether every byte came back. A GPU whose driver makes no pinned host memory
 for the virtual memory API reports `can_park: false` and nothing else. Prints the
 figures, then LAST one JSON object on one line, with the allocator measured
 (`allocator`: wwrun's, a fallback to PyTorch's stops it) and its `backend`.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -42,11 +43,12 @@ def on_host(nbytes: int, repeats: int) -> dict:
     alloc = HostAllocator(2 * nbytes + 64 * MiB)
     alloc.register_stream(1, "A")
     ptrs = [alloc.alloc(TENSOR, 1) for _ in range(nbytes // TENSOR)]
-    for i, ptr in enumerate(ptrs):
-        alloc.write(ptr, bytes([i % 251 + 1]) * TENSOR)
+    contents = [random.Random(i).randbytes(TENSOR) for i in range(len(ptrs))]  # no two pages alike
+    for ptr, content in zip(ptrs, contents):
+        alloc.write(ptr, content)
 
     def intact() -> bool:
-        return all(alloc.read(ptr, TENSOR) == bytes([i % 251 + 1]) * TENSOR for i, ptr in enumerate(ptrs))
+        return all(alloc.read(ptr, TENSOR) == content for ptr, content in zip(ptrs, contents))
 
     figures = _timed(lambda: alloc.park_job("A"), lambda: alloc.unpark_job("A"), repeats)
     return {**figures, "intact": intact(), "allocator": WWRUN, "backend": "host", "can_park": alloc.can_park()}
@@ -64,14 +66,18 @@ def on_cuda(nbytes: int, repeats: int) -> dict:
         return {"can_park": False, "allocator": used, "backend": "cuda"}
     stream = torch.cuda.Stream()
     allocator.register_stream(stream, "A")
+    n = TENSOR // 4
+
+    def content(i: int):  # no two pages alike
+        return torch.arange(i * n, (i + 1) * n, dtype=torch.int32, device="cuda")
+
     with torch.cuda.stream(stream):
-        tensors = [torch.full((TENSOR // 4,), i + 1, dtype=torch.int32, device="cuda")
-                   for i in range(nbytes // TENSOR)]
+        tensors = [content(i) for i in range(nbytes // TENSOR)]
     torch.cuda.synchronize()
 
     def intact() -> bool:
         with torch.cuda.stream(stream):
-            return all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
+            return all(torch.equal(t, content(i)) for i, t in enumerate(tensors))
 
     figures = _timed(lambda: allocator.park_job("A", "cuda"), lambda: allocator.unpark_job("A", "cuda"), repeats)
     return {**figures, "intact": intact(), "allocator": used, "backend": "cuda", "can_park": True,
@@ -79,17 +85,21 @@ def on_cuda(nbytes: int, repeats: int) -> dict:
 
 
 def _timed(park, unpark, repeats: int) -> dict:
-    parks, unparks, parked = [], [], 0
-    for _ in range(repeats):
+    """One untimed round first (a GPU's copy stream and scratch page are made then)."""
+    parks, unparks, parked = [], [], set()
+    for round_ in range(repeats + 1):
         start = time.perf_counter()
-        parked = park()
-        parks.append(time.perf_counter() - start)
+        parked.add(park())
+        parked_s = time.perf_counter() - start
         start = time.perf_counter()
         if not unpark():
             raise RuntimeError("unpark_job found no room for the parked pages")
-        unparks.append(time.perf_counter() - start)
-    if not parked:
-        raise RuntimeError("park_job parked nothing")
+        if round_:
+            parks.append(parked_s)
+            unparks.append(time.perf_counter() - start)
+    if len(parked) != 1 or not min(parked):
+        raise RuntimeError(f"park_job parked {sorted(parked)} bytes in its rounds, not one same amount")
+    parked = parked.pop()
     return {"parked_bytes": parked, "repeats": repeats,
             "park_gb_per_s": round(parked / statistics.median(parks) / 1e9, 3),
             "unpark_gb_per_s": round(parked / statistics.median(unparks) / 1e9, 3),
@@ -105,8 +115,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     mib = args.mib or (2048 if args.device == "cuda" else 256)
-    if mib * MiB < TENSOR or args.repeats < 1:
-        parser.error(f"--mib must be at least {TENSOR // MiB} and --repeats at least 1")
+    if mib * MiB < TENSOR or mib * MiB % TENSOR or args.repeats < 1:
+        parser.error(f"--mib must be a multiple of {TENSOR // MiB} and --repeats at least 1")
     run = on_cuda if args.device == "cuda" else on_host
     figures = {"device": args.device, "command": " ".join(["python", *sys.argv]), "mib": mib,
                **run(mib * MiB, args.repeats)}

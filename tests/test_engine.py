@@ -213,6 +213,27 @@ def test_a_wait_for_memory_that_ctrl_c_ends_leaves_the_job_no_longer_waiting():
         _finish(engine, "holder", "newcomer")
 
 
+def test_a_park_that_raises_counts_none_of_the_job_s_pages_as_host_memory():
+    """A park that raises (Ctrl-C landing in it, a device error) leaves the host
+    budget as it was: the job's reserved bytes stayed counted for the rest of the
+    run, and offloaded activations and other jobs' parking had that much less."""
+    engine = Engine(1 << 30, "waterwave", offload_limit=100 << 20)
+    engine.job_started("job", admit=False)
+    job = engine._jobs["job"]
+    job.meter = lambda restart: (40 << 20, 40 << 20)
+
+    def park(name):
+        raise KeyboardInterrupt
+
+    engine.pages_parking = (park, lambda name: True)
+    try:
+        with pytest.raises(KeyboardInterrupt), engine._lock:
+            engine._park_at_limit(job, None, 0)
+        assert engine._host_pool().held == 0 and not job.parked_bytes
+    finally:
+        _finish(engine, "job")
+
+
 def test_gates_stop_a_forward_between_groups_until_the_other_jobs_backward():
     """a holds a whole pass of activations (stopped before its backward); b's next
     forward enters the groups that fit and waits at the entry of the one that does

@@ -95,6 +95,23 @@ def test_host_pool_reuses_buffers_and_keeps_its_limit():
     assert b is not None and pool.held == 70 and pool.peak == 70
 
 
+def test_host_pool_counts_parked_pages_within_its_limit_and_keeps_its_buffers_when_it_refuses():
+    """A job's pages parked at the limit take the offload's host budget (Note
+    [Parking]): reserved before, settled at what was made, released after."""
+    pool = HostPool(100, pinned=False)
+    a, _ = pool.take(60)
+    pool.give(a)
+    assert not pool.reserve(101)  # not even without its free buffers: they stay
+    assert pool.take(60)[0].data_ptr() == a.data_ptr()
+    pool.give(a)
+    assert pool.reserve(80) and pool.held == 80 and pool.peak == 60  # the free buffer went for it
+    pool.settle(80, 70)  # 70 made
+    assert pool.held == pool.peak == 70
+    assert pool.take(40) == (None, None)  # activations and parked pages: one limit
+    pool.release(70)
+    assert pool.held == 0 and pool.reserve(100)
+
+
 def test_pool_memory_counts_to_no_job_of_the_cpu_allocator():
     from wwrun.memory import allocator
 

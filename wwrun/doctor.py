@@ -403,7 +403,7 @@ class Step:
     estimate_s: tuple[float | None, float] = (60, 60)
     """(CPU, CUDA) seconds, for --budget until a measured duration is at hand. The
     CPU ones were measured on 2 busy cores (with room to spare); the CUDA ones are
-    estimates for an H100 (20 minutes in all), but gpu-tests' and rule-f's, measured
+    estimates for an H100 (22 minutes in all), but gpu-tests' and rule-f's, measured
     on an H200 (198 to 211 s and 19 s; 55 s more for the build on a fresh machine)."""
     shown: tuple[str, ...] = ()
     """Figures the table shows (dotted paths into the step's JSON)."""

@@ -276,8 +276,9 @@ class Memory:
             from wwrun.memory import allocator
 
             device = self.device
-            engine.pages_parking = (lambda job: allocator.park_job(job, device),
-                                    lambda job: allocator.unpark_job(job, device))
+            if allocator.can_park(device):  # else a job that gives way at the limit fails (Note [Parking])
+                engine.pages_parking = (lambda job: allocator.park_job(job, device),
+                                        lambda job: allocator.unpark_job(job, device))
         return engine
 
     def _copy_rate(self, budget: int) -> float:

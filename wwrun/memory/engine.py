@@ -468,10 +468,11 @@ class Engine:
 
     def run_report(self) -> dict:
         report = {"peak_memory_bytes": self.peak_total, "memory_limit_bytes": self.limit_bytes}
-        if self._offloader is not None:  # the host pool: the most it held, and its limit
-            report.update(offload_host_peak_bytes=self._offloader.pool.peak,
-                          offload_limit_bytes=self._offloader.pool.limit,
-                          offload_copy_bytes_per_s=round(self._offloader.copy_rate or 0))
+        pool = self._offloader.pool if self._offloader is not None else self._parking_pool
+        if pool is not None:  # the host pool: the most it held, and its limit
+            report.update(offload_host_peak_bytes=pool.peak, offload_limit_bytes=pool.limit)
+        if self._offloader is not None:
+            report.update(offload_copy_bytes_per_s=round(self._offloader.copy_rate or 0))
         return report
 
     def write_trace(self, path: str) -> None:
@@ -968,7 +969,7 @@ class Engine:
             want = max(self._holding(job), need - state.persistent)
             started = time.perf_counter()
             if attempt == 0:
-                job.parked_this_request = False
+                job.parked_this_request, job.not_parked = False, ""
             if attempt == 0 or job.limit_wait is None:
                 job.limit_wait = (started, self._room_now())
             since, most = job.limit_wait
@@ -1070,7 +1071,8 @@ class Engine:
         self._waited(job, "wait limit", started)
         job.limit_wait = None
         if why and job.not_parked:
-            why, job.not_parked = f"{why}; it could not park: {job.not_parked}", ""
+            why = f"{why}; it could not park: {job.not_parked}"
+        job.not_parked = ""
         try:
             if job.limit_parked and not self._unpark(job):  # its pages come back at its next wait here
                 self._back_in_plan(job)  # planned as if there
@@ -1101,11 +1103,15 @@ class Engine:
             job.not_parked = (f"its {format_size(holds)} would not fit in the {format_size(room)} of host"
                               f" memory --offload-limit leaves")
             return False
-        parked = self.pages_parking[0](job.name)
-        pool.release(holds - parked)  # what it parked: the pages under its live blocks
+        try:
+            parked = self.pages_parking[0](job.name)
+        except BaseException:  # Ctrl-C, a device error: nothing is counted
+            pool.settle(holds, 0)
+            raise
+        pool.settle(holds, parked)  # what it parked: the pages under its live blocks
+        job.parked_bytes = parked
         if not parked:
             return False
-        job.parked_bytes, job.not_parked = parked, ""
         job.parked_this_request = True
         job.limit_parked = time.perf_counter()
         job.failed, job.no_room = None, False  # told to give way meanwhile: it has

@@ -127,23 +127,31 @@ class HostPool:
         return self._allocate(nbytes), None
 
     def reserve(self, nbytes: int) -> bool:
-        """Counts `nbytes` of host memory made outside the pool (a job's pages parked
-        at the limit, Note [Parking]) against its limit, evicting free buffers for
-        them; False, with nothing counted, when the limit leaves no room."""
+        """Counts `nbytes` of host memory about to be made outside the pool (a job's
+        pages parked at the limit, Note [Parking]) against its limit, evicting free
+        buffers for them; False, with nothing counted nor evicted, when even without
+        its free buffers the limit leaves no room. `settle` says what was made."""
         with self._lock:
+            free = sum(size * len(entries) for size, entries in self._free.items())
+            if self.held - free + nbytes > self.limit:
+                return False
             while self.held + nbytes > self.limit and self._evict():
                 pass
-            if self.held + nbytes > self.limit:
+            if self.held + nbytes > self.limit:  # a free buffer a copy still uses
                 return False
             self.held += nbytes
-            self.peak = max(self.peak, self.held)
             return True
 
+    def settle(self, reserved: int, made: int) -> None:
+        """`made` bytes were made of the `reserved` (more, or none: 0)."""
+        with self._lock:
+            self.held += made - reserved
+            self.peak = max(self.peak, self.held)
+
     def release(self, nbytes: int) -> None:
-        """Counts `nbytes` reserved no longer (negative: more than reserved were made)."""
+        """Counts `nbytes` made outside the pool (settled) no longer."""
         with self._lock:
             self.held -= nbytes
-            self.peak = max(self.peak, self.held)
 
     def _evict(self) -> bool:
         """Frees the largest free buffer no copy still uses; False if none."""
