@@ -504,7 +504,10 @@ void MemoryFlowAllocator::use_pages(const Block* block, int delta) {
     PageSlot& slot = segment->pages[i];
     if (delta > 0 ? slot.uses++ != 0 : --slot.uses != 0) continue;
     if (slot.parked) {  // its last live block went: the copy goes (Note [Parking]) ...
-      if (!finished) finish_stream_work(block->stream);  // ... once no kernel of it still runs
+      // ... once no kernel of it still runs: waited for with the lock held (rare: a
+      // block freed by a thread of the job that is not the one parked), as a kernel
+      // reading an unmapped copy would end every job's context.
+      if (!finished) wait_for_streams({block->stream}, nullptr);
       finished = true;
       backend_.page_unmap(segment->base + i * page_, page_);
       slot.parked = slot.mapped = false;
@@ -666,7 +669,7 @@ std::size_t MemoryFlowAllocator::cut_pages_past(Block* block, std::size_t keep,
 // the work queued on it is done (a GPU's kernels may still be writing it): park
 // and unpark first wait for every stream the job's ranges were used on
 // (wait_for_job_work), and a copy that goes with its last block goes once that
-// block's stream is done (finish_stream_work). Where the backend cannot park (a
+// block's stream is done. Where the backend cannot park (a
 // GPU whose driver maps no host memory), the job gives way as before: its
 // request fails. Writes by
 // the job's other threads between a copy and its mapping are lost: only the
@@ -727,6 +730,12 @@ void MemoryFlowAllocator::wait_for_job_work(Lock& lock, JobId job) {
       for (const EventRef* event : block->deferred_events) add(event->stream);
     }
   }
+  wait_for_streams(streams, &lock);
+}
+
+// Blocks the host until the work queued so far on `streams` is done: with `lock`
+// let go meanwhile, or, without, held (Note [Parking]).
+void MemoryFlowAllocator::wait_for_streams(const std::vector<StreamId>& streams, Lock* lock) {
   std::vector<EventHandle> events;
   const auto destroy = [&] {
     for (EventHandle event : events) backend_.event_destroy(event);
@@ -736,11 +745,11 @@ void MemoryFlowAllocator::wait_for_job_work(Lock& lock, JobId job) {
       events.push_back(backend_.event_create());
       backend_.event_record(events.back(), stream);
     }
-    lock.unlock();
+    if (lock != nullptr) lock->unlock();
     for (EventHandle event : events) backend_.event_synchronize(event);
-    lock.lock();
+    if (lock != nullptr) lock->lock();
   } catch (...) {
-    if (!lock.owns_lock()) lock.lock();
+    if (lock != nullptr && !lock->owns_lock()) lock->lock();
     destroy();
     throw;
   }
@@ -822,22 +831,6 @@ void MemoryFlowAllocator::drop_unused_segments(bool active_too) {
     update_stat(stats_.segments, -1);
     delete segment;
   }
-}
-
-// Blocks the host until the work queued so far on `stream` is done, with the lock
-// held: only before a parked page's copy goes with its last block, freed by a
-// thread of the job that is not the one parked (Note [Parking]): rare, and a
-// kernel reading an unmapped copy would end every job's context.
-void MemoryFlowAllocator::finish_stream_work(StreamId stream) {
-  const EventHandle event = backend_.event_create();
-  try {
-    backend_.event_record(event, stream);
-    backend_.event_synchronize(event);
-  } catch (...) {
-    backend_.event_destroy(event);
-    throw;
-  }
-  backend_.event_destroy(event);
 }
 
 bool MemoryFlowAllocator::can_park() const { return backend_.can_park(); }

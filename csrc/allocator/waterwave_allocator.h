@@ -542,7 +542,7 @@ class MemoryFlowAllocator {
   std::size_t cut_idle_pages(std::size_t wanted, JobId job, bool ended_only = false);
   bool wait_for_pending_pages(Lock& lock, std::optional<JobId> job);
   void wait_for_job_work(Lock& lock, JobId job);
-  void finish_stream_work(StreamId stream);
+  void wait_for_streams(const std::vector<StreamId>& streams, Lock* lock);
   std::size_t cut_pages(Block* block, std::vector<FreePage>* into = nullptr);
   std::size_t cut_pages_past(Block* block, std::size_t keep, std::vector<FreePage>* into = nullptr,
                              std::size_t most = SIZE_MAX);

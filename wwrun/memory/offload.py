@@ -118,9 +118,7 @@ class HostPool:
             free = self._free.get(nbytes)
             if free:
                 return free.pop()
-            while self.held + nbytes > self.limit and self._evict():
-                pass
-            if self.held + nbytes > self.limit:
+            if not self._room_for(nbytes):
                 return None, None
             self.held += nbytes
             self.peak = max(self.peak, self.held)
@@ -129,15 +127,10 @@ class HostPool:
     def reserve(self, nbytes: int) -> bool:
         """Counts `nbytes` of host memory about to be made outside the pool (a job's
         pages parked at the limit, Note [Parking]) against its limit, evicting free
-        buffers for them; False, with nothing counted nor evicted, when even without
-        its free buffers the limit leaves no room. `settle` says what was made."""
+        buffers for them (`_room_for`); False, with nothing counted, when the limit
+        leaves no room. `settle` says what was made."""
         with self._lock:
-            free = sum(size * len(entries) for size, entries in self._free.items())
-            if self.held - free + nbytes > self.limit:
-                return False
-            while self.held + nbytes > self.limit and self._evict():
-                pass
-            if self.held + nbytes > self.limit:  # a free buffer a copy still uses
+            if not self._room_for(nbytes):
                 return False
             self.held += nbytes
             return True
@@ -152,6 +145,16 @@ class HostPool:
         """Counts `nbytes` made outside the pool (settled) no longer."""
         with self._lock:
             self.held -= nbytes
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Under the lock: whether the limit has room for `nbytes` more, evicting free
+        buffers for them; none is evicted when even without them it would not."""
+        free = sum(size * len(entries) for size, entries in self._free.items())
+        if self.held - free + nbytes > self.limit:
+            return False
+        while self.held + nbytes > self.limit and self._evict():
+            pass
+        return self.held + nbytes <= self.limit  # (not when a free buffer's copy still runs)
 
     def _evict(self) -> bool:
         """Frees the largest free buffer no copy still uses; False if none."""
