@@ -26,6 +26,32 @@ def test_a_lock_another_thread_held_at_fork_is_free_in_the_child():
         assert child_can_take(make(), True) == 0, make
 
 
+def test_a_registered_multiprocessing_lock_a_child_took_and_released_is_free_again_in_the_parent():
+    """Its semaphore is shared with the child; its count of holds is per process. A
+    plain os.fork() child kept the count of the thread that held it at fork, so its
+    release only lowered that count and kept the semaphore, for good."""
+    import multiprocessing
+
+    from tests.forking import exit_code_of, holding
+
+    for make in (multiprocessing.RLock, multiprocessing.Lock):
+        lock = make()
+        forksafe.register(lock)
+        with holding(lock) as release:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    taken = lock.acquire(timeout=10)
+                    lock.release()
+                    os._exit(0 if taken else 1)
+                finally:
+                    os._exit(2)
+            release()
+        assert exit_code_of(pid, f"taking and releasing a {make.__name__}") == 0, make
+        assert lock.acquire(timeout=5), f"the child kept the {make.__name__}"
+        lock.release()
+
+
 def test_an_rlock_the_forking_thread_holds_stays_its_own_in_the_child():
     lock = forksafe.RLock()
     with lock:

@@ -272,7 +272,9 @@ def test_a_forked_child_draws_a_tqdm_bar_while_another_thread_held_tqdm_s_lock()
     forked while another job's thread drew a bar took the shared one and then waited
     for good on the thread lock (held by a thread it does not have), and every job's
     workers and bars then waited on the shared one (`datasets` formats a batch with a
-    tqdm call in each worker)."""
+    tqdm call in each worker). A child forked with plain `os.fork()` (multiprocessing
+    resets the shared lock's count of holds only in its own children) kept the shared
+    one when done with it, and the parent's next bar waited for good."""
     tqdm = pytest.importorskip("tqdm")
     from tests.forking import exit_code_of, holding
     from wwrun import libstate
@@ -283,11 +285,15 @@ def test_a_forked_child_draws_a_tqdm_bar_while_another_thread_held_tqdm_s_lock()
         if pid == 0:
             try:
                 with tqdm.tqdm.get_lock():  # its acquire returns None: a `with` says it was taken
-                    os._exit(0)
+                    pass
+                os._exit(0)  # after its release: the process-shared lock is this process's too
             finally:
                 os._exit(2)
         release()  # the process-shared lock is free again for the child; the thread lock is its own
     assert exit_code_of(pid, "taking tqdm's lock") == 0
+    shared, own = tqdm.tqdm.get_lock().locks
+    assert shared.acquire(timeout=5), "the child kept the process-shared lock"
+    shared.release()
 
 
 def test_wandb_logs_two_jobs_at_once_as_alone(tmp_path):

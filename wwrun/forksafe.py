@@ -9,7 +9,8 @@ again, unless the forking thread itself holds it (an RLock, or a Condition over
 one, that it will release as usual). A plain Lock is always freed: its holders
 never fork while holding it (wwrun's sections run no user code under one). A
 library's lock that job code holds across its calls (tqdm's write lock) is registered
-here too (`register`).
+here too (`register`); a multiprocessing lock among them keeps its semaphore, shared
+with the parent, and only forgets the holds of the threads the child does not have.
 
 The C++ parts do the same with `pthread_atfork` (csrc/allocator/cpu_allocator.cpp,
 torch_cuda_allocator.cpp, csrc/rng/job_generators.cpp).
@@ -65,10 +66,21 @@ def _held_by_forking_thread(lock) -> bool:
     return isinstance(inner, _RLOCK_TYPE) and inner._is_owned()
 
 
+def _free_in_child(lock) -> None:
+    semlock = getattr(lock, "_semlock", None)
+    if semlock is not None:
+        # multiprocessing's: the semaphore is shared with the parent, where its holder
+        # releases it; the count of holds is this process's. Left at the holder's, the
+        # child's first acquire added to it, and its release then kept the semaphore.
+        if not semlock._is_mine():
+            semlock._after_fork()
+    elif not _held_by_forking_thread(lock):
+        lock._at_fork_reinit()
+
+
 def _in_child() -> None:
     for lock in list(_locks):
-        if not _held_by_forking_thread(lock):
-            lock._at_fork_reinit()
+        _free_in_child(lock)
     for hook in _child_hooks:
         hook()
 

@@ -183,8 +183,24 @@ def _patch_tqdm(module) -> None:
     # tqdm's write lock takes a process-shared lock, then this thread lock: a DataLoader
     # worker forked while another job's thread drew a bar found it held for good, and
     # held the shared one meanwhile, so every job's workers and bars waited on it.
-    if module.TqdmDefaultWriteLock.th_lock is not None:
-        forksafe.register(module.TqdmDefaultWriteLock.th_lock)
+    # The shared lock is made at the first bar; a plain os.fork() child (no
+    # multiprocessing bootstrap to reset it) that took it kept it when done.
+    write_lock = module.TqdmDefaultWriteLock
+    if write_lock.th_lock is not None:
+        forksafe.register(write_lock.th_lock)
+    if getattr(write_lock.create_mp_lock, "__wwrun_registers__", False):
+        return
+    create_mp_lock = write_lock.create_mp_lock.__func__
+
+    def create_and_register(cls):
+        create_mp_lock(cls)
+        if getattr(cls, "mp_lock", None) is not None:
+            forksafe.register(cls.mp_lock)
+
+    create_and_register.__wwrun_registers__ = True
+    write_lock.create_mp_lock = classmethod(create_and_register)
+    if getattr(write_lock, "mp_lock", None) is not None:
+        forksafe.register(write_lock.mp_lock)
 
 
 def _patch_pylab_helpers(module) -> None:
