@@ -359,3 +359,27 @@ def test_a_patch_that_does_not_fit_the_library_s_version_leaves_it_as_it_is(capf
 
     libstate._apply(does_not_fit, older)
     assert "joblib.executor left as it is, shared by every job (KeyError: 'get_reusable_executor')" in capfd.readouterr().err
+
+
+def test_a_torch_fx_trace_in_one_job_leaves_another_job_s_modules_and_compiled_functions_as_alone(tmp_path):
+    """torch.fx's tracer points `nn.Module.__call__` at itself and raises a global
+    flag while it traces (torch.compile runs it on every graph): another job's module
+    call meanwhile went into that trace ("module is not installed as a submodule"),
+    and its compiled model refused to run (nanoGPT's train.py, twice with
+    `--compile=True`: "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function")."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    script = str(SCRIPTS / "fx_trace_beside.py")
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name="trace", script=script, args=["trace", str(tmp_path)]),
+              JobSpec(name="eager", script=script, args=["eager", str(tmp_path)])],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
+    ))
+    logs = {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+    assert result.exit_code == 0, logs
+    assert "fx tracing here: False False" in logs["eager"]
+    assert "module gives Tensor" in logs["eager"]
+    assert "compiled function gives [3.0, 3.0]" in logs["eager"]
+    # The trace in progress got none of the other job's calls: as when alone.
+    assert "traced ['placeholder', 'call_module', 'call_method', 'output']" in logs["trace"]

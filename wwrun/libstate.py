@@ -45,6 +45,14 @@ A profiling session, `torch.profiler.profile` or `torch.autograd.profiler.profil
 from its start to its stop, is one job's at a time; another job's waits, saying so,
 and a job's session ends with the job.
 
+torch.fx's tracer, which torch.compile runs on every graph, is half of both: while
+it traces it points `nn.Module.__call__` and `__getattr__` at itself and raises a
+global flag, so another job's module calls went into its trace ("module is not
+installed as a submodule") and that job's compiled model refused to run ("Detected
+that you are using FX to symbolically trace a dynamo-optimized function"). Its traces
+take dynamo's `compile_lock`, one at a time, and what a trace points at itself, and
+its flag, hold only in the thread that traces.
+
 One is a flag: `torch.compiler.is_compiling()` reads a module global that dynamo
 holds True for a whole compile session. Another job's eager code asking it meanwhile
 took the compiled path: `torch.optim.Adam(W)` then kept its step count as a tensor
@@ -60,6 +68,7 @@ every job, so it is set once in the process's environment.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import collections.abc
 import contextlib
@@ -581,6 +590,83 @@ def _compiling_per_thread(compiler) -> None:
     compiler.is_compiling.__code__ = _is_compiling.__code__
 
 
+_fx_tracer = threading.local()
+
+
+def _is_fx_tracing() -> bool:
+    """Runs as `torch.fx._symbolic_trace.is_fx_tracing`, in that module's namespace:
+    the global flag, raised by the trace in this thread only."""
+    is_fx_tracing_warning()  # noqa: F821 - the fx module's globals
+    return _is_fx_tracing_flag and getattr(_wwrun_fx_tracer, "depth", 0) > 0  # noqa: F821
+
+
+def _is_fx_symbolic_tracing() -> bool:
+    """Runs as `torch.fx._symbolic_trace.is_fx_symbolic_tracing`, likewise."""
+    return (_is_fx_tracing_flag and getattr(_wwrun_fx_tracer, "depth", 0) > 0  # noqa: F821
+            and not torch.compiler.is_compiling())  # noqa: F821
+
+
+def _for_the_tracing_thread(new_fn, original):
+    """What an fx patch puts in place: `new_fn` in the thread that traces, `original`
+    in every other."""
+    tracer = threading.get_ident()
+
+    @functools.wraps(new_fn)
+    def patched(*args, **kwargs):
+        if threading.get_ident() == tracer:
+            return new_fn(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return patched
+
+
+def _fx_tracing_per_thread(fx) -> None:
+    """torch.fx's tracer (torch.compile runs it on every graph, through AOT autograd)
+    is process-wide while it traces: it points `nn.Module.__call__` and `__getattr__`,
+    and the functions it wraps in modules' globals, at itself, and raises a global flag.
+    Another job's module calls meanwhile went into that trace ("module is not installed
+    as a submodule"), and its compiled model refused to run ("Detected that you are
+    using FX to symbolically trace a dynamo-optimized function"). Now a trace takes
+    dynamo's compile lock, as a compile does, so traces take turns; what it points at
+    itself is so only in its own thread, and the flag reads true only there."""
+    tracer, patcher = fx.Tracer, fx._Patcher
+    if getattr(tracer.trace, "__wwrun_locked__", False):
+        return
+    if not all(hasattr(fx, name) for name in ("_is_fx_tracing_flag", "is_fx_tracing_warning")):
+        return  # a torch that keeps the flag otherwise: left as it is
+    trace, patch, patch_method = tracer.trace, patcher.patch, patcher.patch_method
+
+    @functools.wraps(trace)
+    def locked_trace(self, *args, **kwargs):
+        from torch._dynamo.convert_frame import compile_lock
+
+        with compile_lock:
+            _fx_tracer.depth = getattr(_fx_tracer, "depth", 0) + 1
+            try:
+                return trace(self, *args, **kwargs)
+            finally:
+                _fx_tracer.depth -= 1
+
+    @functools.wraps(patch)
+    def patch_here(self, frame_dict, name, new_fn, *args, **kwargs):
+        original = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
+        return patch(self, frame_dict, name, _for_the_tracing_thread(new_fn, original), *args, **kwargs)
+
+    @functools.wraps(patch_method)
+    def patch_method_here(self, cls, name, new_fn, *args, **kwargs):
+        original = getattr(cls, name)
+        return patch_method(self, cls, name, _for_the_tracing_thread(new_fn, original), *args, **kwargs)
+
+    locked_trace.__wwrun_locked__ = True
+    fx._wwrun_fx_tracer = _fx_tracer
+    patcher.patch, patcher.patch_method = patch_here, patch_method_here
+    # Each function keeps its identity, only its code changes: dynamo folds calls to
+    # them by identity while it traces.
+    fx.is_fx_tracing.__code__ = _is_fx_tracing.__code__
+    fx.is_fx_symbolic_tracing.__code__ = _is_fx_symbolic_tracing.__code__
+    tracer.trace = locked_trace
+
+
 def _patch_cloudpickle(module) -> None:
     """cloudpickle reduces a module by its exact type (a dispatch table), so the modules
     wwrun gives a subclass of their type for per-job attributes (`sys`, `os`,
@@ -700,6 +786,7 @@ _PATCHES = {
     "torch.autograd.profiler": _patch_profiler,
     "torch.export": _patch_export,
     "torch.compiler": _compiling_per_thread,
+    "torch.fx._symbolic_trace": _fx_tracing_per_thread,
     "torch._inductor.codecache": _share_inductor_address,
 }
 
