@@ -383,3 +383,35 @@ def test_a_torch_fx_trace_in_one_job_leaves_another_job_s_modules_and_compiled_f
     assert "compiled function gives [3.0, 3.0]" in logs["eager"]
     # The trace in progress got none of the other job's calls: as when alone.
     assert "traced ['placeholder', 'call_module', 'call_method', 'output']" in logs["trace"]
+
+
+@pytest.mark.parametrize("lock_name, what_a_worker_does", [
+    ("torch.cuda._initialization_lock", "torch.manual_seed(0)"),
+    ("torch.storage._share_memory_lock", "torch.ones(2).share_memory_()"),
+    ("torch.utils._pytree._NODE_REGISTRY_LOCK",
+     "torch.utils._pytree.register_pytree_node(type('Output', (), {}), lambda o: ([], None), lambda c, x: None)"),
+])
+def test_a_dataloader_worker_forked_while_another_job_held_a_torch_lock_goes_on(lock_name, what_a_worker_does):
+    """`torch.manual_seed` queues CUDA's seeding under torch.cuda's lock (formatting the
+    stack there), and every DataLoader worker seeds as it starts: a worker forked while
+    another job's thread seeded waited for good (the Hugging Face Trainer in three jobs
+    with two workers each hung one run in three). Workers share tensors and register
+    pytree nodes under torch's other module locks."""
+    import importlib
+
+    import torch
+
+    from tests.forking import exit_code_of, holding
+    from wwrun import libstate
+
+    libstate.install()
+    module_name, name = lock_name.rsplit(".", 1)
+    with holding(getattr(importlib.import_module(module_name), name)):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                exec(what_a_worker_does, {"torch": torch})
+                os._exit(0)
+            finally:
+                os._exit(2)
+    assert exit_code_of(pid, f"{what_a_worker_does} while another thread held {lock_name}", timeout_s=10) == 0

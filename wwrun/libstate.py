@@ -39,6 +39,9 @@ empty mode stack", "Graphs differed across invocations"). `torch.jit.trace`,
 process-wide lock, as dynamo's own `compile_lock` does for `torch.compile`; what they
 produce runs concurrently.
 
+torch's module locks that a forked child may take (torch.cuda's seeding lock, which
+every DataLoader worker takes as it seeds) are made free in the child (`forksafe`).
+
 torch's profiler is one per process too (kineto's session, the autograd profiler's
 state): two jobs profiling at once crashed the process (a segfault as one stopped).
 A profiling session, `torch.profiler.profile` or `torch.autograd.profiler.profile`
@@ -767,7 +770,30 @@ def _share_inductor_address(codecache) -> None:
     isolation.process_environ()["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(address)
 
 
+_FORK_SAFE_LOCKS = {
+    "torch.cuda": "_initialization_lock",
+    "torch.xpu": "_initialization_lock",
+    "torch.mtia": "_initialization_lock",
+    "torch.storage": "_share_memory_lock",
+    "torch.utils._pytree": "_NODE_REGISTRY_LOCK",
+}
+
+
+def _fork_safe_lock(module) -> None:
+    """A torch lock that another job's thread may hold as a job forks, made free in
+    the child (`forksafe`). `torch.manual_seed` takes torch.cuda's (and xpu's, mtia's)
+    to queue a seeding, formatting the stack under it, and every DataLoader worker
+    seeds at its start: a worker forked meanwhile waited on it for good (the Hugging
+    Face Trainer, three jobs with `dataloader_num_workers=2`: one run in three hung).
+    Workers share tensors under `_share_memory_lock` and import modules that register
+    pytree nodes (transformers' outputs) under `_NODE_REGISTRY_LOCK`."""
+    lock = getattr(module, _FORK_SAFE_LOCKS[module.__name__], None)
+    if lock is not None:
+        forksafe.register(lock)
+
+
 _PATCHES = {
+    **dict.fromkeys(_FORK_SAFE_LOCKS, _fork_safe_lock),
     "matplotlib._pylab_helpers": _patch_pylab_helpers,
     "tqdm.std": _patch_tqdm,
     "rich": _patch_rich,
