@@ -184,6 +184,33 @@ def test_first_interrupt_reaches_every_job_and_cancels_the_queue(tmp_path):
     assert result.exit_code == 130
 
 
+def test_a_job_being_started_as_the_interrupt_comes_is_interrupted_too(tmp_path, monkeypatch):
+    """The launcher interrupts the jobs whose thread it knows. A Ctrl-C landing as a job
+    was being started (its thread made, not yet running the job: three Hugging Face
+    Trainer jobs pressed Ctrl-C as they started) passed it by, and it trained on to
+    its end, or past the grace period."""
+    from wwrun import isolation
+    from wwrun.runner import Runner
+
+    handled, enter, on_signal = threading.Event(), isolation.enter, Runner._on_signal
+
+    def on_signal_then_say_so(self, signum, frame):
+        on_signal(self, signum, frame)
+        handled.set()
+
+    def enter_after_the_interrupt(job):
+        if job.name == "late":  # its thread runs, but the launcher does not know it yet
+            os.kill(os.getpid(), signal.SIGINT)
+            assert handled.wait(30), "the launcher never handled the interrupt"
+        enter(job)
+
+    monkeypatch.setattr(Runner, "_on_signal", on_signal_then_say_so)
+    monkeypatch.setattr(isolation, "enter", enter_after_the_interrupt)
+    result = run(tmp_path, ending("late", "loop"), grace_period_s=20)
+    (late,) = result.jobs
+    assert (late.state, late.exit_code, late.error) == (JobState.INTERRUPTED, 130, "interrupted")
+
+
 def test_job_ignoring_the_interrupt_is_abandoned_after_the_grace_period(tmp_path):
     _interrupt_soon(1.0)
     start = time.monotonic()

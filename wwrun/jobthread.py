@@ -14,6 +14,7 @@ import sys
 import threading
 import traceback
 import weakref
+from collections.abc import Callable
 
 from wwrun import isolation, libstate, rng
 from wwrun.config import JobSpec
@@ -22,23 +23,29 @@ from wwrun.result import EXIT_INTERRUPTED
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_job(job, memory) -> tuple[int, str | None]:
+def run_job(job, memory, interrupted: Callable[[], bool] = lambda: False) -> tuple[int, str | None]:
     """Run one attempt of `job` (a `wwrun.runner.Job`, its context made) in this, its
     thread, under `memory` (the run's `wwrun.memory.Memory`); (exit code, error).
-    Sets the job's `interrupted`, `out_of_memory` and `no_room` as the script ended."""
+    Sets the job's `interrupted`, `out_of_memory` and `no_room` as the script ended.
+    `interrupted` says whether the run was interrupted (Ctrl-C, SIGTERM)."""
     ctx = job.context
     session = memory.session(job.spec.name, job.spec.priority, job.spec.memory_limit)
     try:
-        return _run_attempt(job, ctx, memory, session)
+        return _run_attempt(job, ctx, memory, session, interrupted)
     finally:
         _clean_up(job, ctx, session)
 
 
-def _run_attempt(job, ctx, memory, session) -> tuple[int, str | None]:
+def _run_attempt(job, ctx, memory, session, interrupted) -> tuple[int, str | None]:
     """The script, its non-daemon threads and atexit handlers; (exit code, error)."""
     code, error, exited = 0, None, False
     try:
         isolation.enter(ctx)
+        # The launcher interrupts the jobs whose thread it knows; one being started as
+        # the Ctrl-C came had none yet and trained on to its end. Asked after its
+        # thread is known (`enter`), so either the launcher reached it or it sees this.
+        if interrupted():
+            isolation.interrupt(ctx.thread_id, KeyboardInterrupt, ctx)
         _threads_default_to_non_daemon()
         rng.enter_job()
         ctx.thread_hooks.append(lambda: memory.join_thread(job.spec.name))

@@ -414,7 +414,7 @@ class Runner:
     def _job_main(self, job: Job) -> None:
         code, error = 1, "wwrun failed to run the job"
         try:
-            code, error = jobthread.run_job(job, self.memory)
+            code, error = jobthread.run_job(job, self.memory, lambda: self._interrupted_at is not None)
         except KeyboardInterrupt:  # a second interrupt, landing while the job handled the first
             job.interrupted = True
             code, error = EXIT_INTERRUPTED, "interrupted"
