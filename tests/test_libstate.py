@@ -72,22 +72,27 @@ def test_tqdm_in_three_jobs_draws_as_alone_and_control_sequences_stay_out_of_the
     assert b"\x1b[7A" not in terminal and b"\x1b[A" not in terminal
 
 
+def _side_by_side(tmp_path, script: str, **role_by_job: str):
+    """One job per name, each running `script ROLE tmp_path`, at once; (the result,
+    each job's stdout)."""
+    from wwrun import JobSpec, LaunchConfig, launch
+
+    result = launch(LaunchConfig(
+        jobs=[JobSpec(name=name, script=script, args=[role, str(tmp_path)]) for name, role in role_by_job.items()],
+        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
+    ))
+    return result, {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+
+
 def test_a_compile_in_one_job_leaves_another_jobs_optimizer_as_alone(tmp_path):
     """torch.compiler.is_compiling() was one process-wide flag, true for a whole compile
     session: AdamW beside another job's compile took its compiled path (a tensor step
     count) and ended a few ulps away from `python` alone."""
-    from wwrun import JobSpec, LaunchConfig, launch
-
     script = str(SCRIPTS / "compile_session.py")
     alone = subprocess.run([sys.executable, script, "train", str(tmp_path)],
                            capture_output=True, text=True, timeout=120, check=True).stdout
     (tmp_path / "done").unlink()
-    result = launch(LaunchConfig(
-        jobs=[JobSpec(name="compile", script=script, args=["compile", str(tmp_path)]),
-              JobSpec(name="train", script=script, args=["train-beside", str(tmp_path)])],
-        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
-    ))
-    logs = {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+    result, logs = _side_by_side(tmp_path, script, compile="compile", train="train-beside")
     assert result.exit_code == 0, logs
     assert "compiling: is_compiling True" in logs["compile"]  # as when alone: its own session
     assert "training: is_compiling False" in logs["train"]
@@ -368,15 +373,7 @@ def test_a_torch_fx_trace_in_one_job_leaves_another_job_s_modules_and_compiled_f
     and its compiled model refused to run (nanoGPT's train.py, twice with
     `--compile=True`: "Detected that you are using FX to symbolically trace a
     dynamo-optimized function")."""
-    from wwrun import JobSpec, LaunchConfig, launch
-
-    script = str(SCRIPTS / "fx_trace_beside.py")
-    result = launch(LaunchConfig(
-        jobs=[JobSpec(name="trace", script=script, args=["trace", str(tmp_path)]),
-              JobSpec(name="eager", script=script, args=["eager", str(tmp_path)])],
-        policy="concurrent", log_dir=str(tmp_path / "logs"), quiet=True,
-    ))
-    logs = {job.name: (Path(result.log_dir) / job.name / "stdout.log").read_text() for job in result.jobs}
+    result, logs = _side_by_side(tmp_path, str(SCRIPTS / "fx_trace_beside.py"), trace="trace", eager="eager")
     assert result.exit_code == 0, logs
     assert "fx tracing here: False False" in logs["eager"]
     assert "module gives Tensor" in logs["eager"]

@@ -23,7 +23,7 @@ from wwrun.result import EXIT_INTERRUPTED
 _WWRUN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_job(job, memory, interrupted: Callable[[], bool] = lambda: False) -> tuple[int, str | None]:
+def run_job(job, memory, interrupted: Callable[[], bool]) -> tuple[int, str | None]:
     """Run one attempt of `job` (a `wwrun.runner.Job`, its context made) in this, its
     thread, under `memory` (the run's `wwrun.memory.Memory`); (exit code, error).
     Sets the job's `interrupted`, `out_of_memory` and `no_room` as the script ended.

@@ -48,13 +48,13 @@ A profiling session, `torch.profiler.profile` or `torch.autograd.profiler.profil
 from its start to its stop, is one job's at a time; another job's waits, saying so,
 and a job's session ends with the job.
 
-torch.fx's tracer, which torch.compile runs on every graph, is half of both: while
-it traces it points `nn.Module.__call__` and `__getattr__` at itself and raises a
-global flag, so another job's module calls went into its trace ("module is not
-installed as a submodule") and that job's compiled model refused to run ("Detected
-that you are using FX to symbolically trace a dynamo-optimized function"). Its traces
-take dynamo's `compile_lock`, one at a time, and what a trace points at itself, and
-its flag, hold only in the thread that traces.
+torch.fx's tracer, which torch.compile runs on every graph, needs both: while it
+traces it points `nn.Module.__call__` and `__getattr__` at itself and raises a global
+flag, so another job's module calls went into its trace ("module is not installed as
+a submodule") and that job's compiled model refused to run ("Detected that you are
+using FX to symbolically trace a dynamo-optimized function"). Its traces take turns
+(under dynamo's `compile_lock`), and what a trace points at itself, and its flag,
+hold only in the thread that traces.
 
 One is a flag: `torch.compiler.is_compiling()` reads a module global that dynamo
 holds True for a whole compile session. Another job's eager code asking it meanwhile
@@ -641,6 +641,8 @@ def _fx_tracing_per_thread(fx) -> None:
 
     @functools.wraps(trace)
     def locked_trace(self, *args, **kwargs):
+        # dynamo's lock, not `_TRACING`: a compile traces holding it, and an export
+        # takes `_TRACING` before it; one lock in both orders would deadlock.
         from torch._dynamo.convert_frame import compile_lock
 
         with compile_lock:
